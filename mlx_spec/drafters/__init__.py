@@ -1,0 +1,19 @@
+"""Drafters propose tokens; the target verifies them.
+
+A drafter implements ``reset(prompt, hidden)``, ``draft(k) -> list[int]`` and
+``accept(tokens, hidden)`` (the tokens a verify step emitted, with the target's
+hidden states for the verified positions).
+"""
+
+from .ngram import NgramDrafter
+
+DRAFTS = ("none", "ngram")
+
+
+def make_drafter(draft: str, max_ngram: int = 3):
+    """Build the drafter named by ``draft`` (``"none"`` gives None)."""
+    if draft not in DRAFTS:
+        raise ValueError(f"unknown draft {draft!r}; choose one of {', '.join(DRAFTS)}")
+    if draft == "ngram":
+        return NgramDrafter(max_ngram=max_ngram)
+    return None

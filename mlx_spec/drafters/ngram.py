@@ -1,0 +1,69 @@
+"""Prompt-lookup drafting: copy what followed the last occurrence of the suffix.
+
+The index maps every n-gram (2 <= n <= max_ngram) of the token history to the
+position right after its most recent occurrence. It is updated incrementally as
+tokens are appended (O(max_ngram) per token), so a lookup never scans the
+history. The history is the prompt and every token generated so far.
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+MIN_NGRAM = 2
+
+
+class NgramDrafter:
+    """Drafts up to ``k`` tokens by matching the longest recent suffix."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3):
+        if not isinstance(max_ngram, int) or max_ngram < MIN_NGRAM:
+            raise ValueError(f"max_ngram must be an integer >= 2, got {max_ngram!r}")
+        self.max_ngram = max_ngram
+        self.tokens: List[int] = []
+        self._next: Dict[Tuple[int, ...], int] = {}
+
+    def reset(self, prompt: Sequence[int], hidden=None):
+        """Start a new history from the prompt tokens."""
+        self.tokens = []
+        self._next = {}
+        self.extend(prompt)
+
+    def extend(self, tokens: Sequence[int]):
+        """Append tokens to the history and index the n-grams they complete."""
+        for t in tokens:
+            # Every n-gram ending at the current last token is now followed by t.
+            end = len(self.tokens)
+            for n in range(MIN_NGRAM, min(self.max_ngram, end) + 1):
+                self._next[tuple(self.tokens[end - n : end])] = end
+            self.tokens.append(int(t))
+
+    def accept(self, tokens: Sequence[int], hidden=None):
+        """Record the tokens a verify step emitted."""
+        self.extend(tokens)
+
+    def lookup(self) -> Optional[int]:
+        """Start of the continuation of the longest matching suffix, or None."""
+        L = len(self.tokens)
+        for n in range(min(self.max_ngram, L), MIN_NGRAM - 1, -1):
+            start = self._next.get(tuple(self.tokens[L - n :]))
+            if start is not None:
+                return start
+        return None
+
+    def draft(self, k: int) -> List[int]:
+        """Up to ``k`` tokens that followed the suffix's last occurrence.
+
+        A continuation that runs into the end of the history keeps copying
+        with the same period, so repeating text drafts all ``k`` tokens.
+        """
+        start = self.lookup() if k > 0 else None
+        if start is None:
+            return []
+        seq = self.tokens
+        L = len(seq)
+        out = []
+        for i in range(k):
+            j = start + i
+            out.append(seq[j] if j < L else out[j - L])
+        return out

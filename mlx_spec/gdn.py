@@ -1,0 +1,95 @@
+"""Gated-DeltaNet layers that can be rolled back to any token of a verify pass.
+
+mlx-lm's GDN layers keep only the state after the last token they process, so a
+speculative verify pass over ``T`` tokens cannot be undone. The subclasses here
+behave exactly like mlx-lm's layers, except when their cache is a
+:class:`~mlx_spec.state.GDNSlotCache` that is capturing: then the layer also
+hands the cache what it needs to restore the state after any prefix of the
+``T`` tokens (the conv window input and the recurrence inputs or per-token
+states). Nothing of mlx-lm is forked: the projection, convolution, norm and
+output code below call the parent layer's own modules.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm.models.gated_delta import normalize_qk
+
+
+class _VerifyGDNMixin:
+    """Verify-pass forward shared by the GDN families; ``_project`` differs."""
+
+    def __call__(self, inputs, mask=None, cache=None):
+        if not getattr(cache, "capturing", False):
+            return super().__call__(inputs, mask, cache)
+        return self._verify_forward(inputs, mask, cache)
+
+    def _verify_forward(self, inputs: mx.array, mask, cache) -> mx.array:
+        # inputs: [B, T, hidden]
+        B, T, _ = inputs.shape
+        qkv, z, b, a = self._project(inputs)
+        conv_state = cache[0]
+        if conv_state is None:
+            conv_state = mx.zeros(
+                (B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype
+            )
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)  # [B, K-1+T, C]
+        conv_out = nn.silu(self.conv1d(conv_input))
+        q, k, v = [
+            t.reshape(B, T, h, d)
+            for t, h, d in zip(
+                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+            )
+        ]
+        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        out = cache.verify_recurrence(
+            conv_input, (q, k, v, a, b, self.A_log, self.dt_bias), mask
+        )
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(B, T, -1))
+
+
+class Qwen3NextVerifyGDN(_VerifyGDNMixin, qwen3_next.Qwen3NextGatedDeltaNet):
+    def _project(self, inputs):
+        B, T, _ = inputs.shape
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(
+            self.in_proj_qkvz(inputs), self.in_proj_ba(inputs)
+        )
+        qkv = mx.concatenate(
+            [q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1
+        )
+        return qkv, z, b, a
+
+
+class Qwen3_5VerifyGDN(_VerifyGDNMixin, qwen3_5.GatedDeltaNet):
+    def _project(self, inputs):
+        B, T, _ = inputs.shape
+        qkv = self.in_proj_qkv(inputs)
+        z = self.in_proj_z(inputs).reshape(B, T, self.num_v_heads, self.head_v_dim)
+        return qkv, z, self.in_proj_b(inputs), self.in_proj_a(inputs)
+
+
+# mlx-lm GDN class -> its verify-capable subclass.
+_VERIFY_CLASSES = {
+    qwen3_next.Qwen3NextGatedDeltaNet: Qwen3NextVerifyGDN,
+    qwen3_5.GatedDeltaNet: Qwen3_5VerifyGDN,
+}
+
+
+def make_verifiable(layer) -> bool:
+    """Give a GDN module the verify forward in place; False if it is not GDN.
+
+    Swapping the class keeps every parameter and the layer's plain-decoding
+    behaviour; it is idempotent.
+    """
+    if type(layer) in _VERIFY_CLASSES.values():
+        return True
+    cls = _VERIFY_CLASSES.get(type(layer))
+    if cls is None:
+        return False
+    layer.__class__ = cls
+    return True

@@ -1,0 +1,194 @@
+"""mlx-lm compatible ``stream_generate`` / ``generate`` with speculative decoding."""
+
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+import mlx.core as mx
+from mlx_lm.generate import (
+    GenerationResponse,
+    generate_step,
+    generation_stream,
+    wired_limit,
+)
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .decode import MAX_DRAFT_TOKENS, speculative_generate_step
+from .drafters import DRAFTS, make_drafter
+from .verify import SpecStats
+
+# Arguments of mlx-lm's generate_step that only plain decoding supports.
+_PLAIN_ONLY = ("max_kv_size", "input_embeddings")
+
+
+@dataclass
+class SpecGenerationResponse(GenerationResponse):
+    """A ``GenerationResponse`` that also carries the run's speculation counters."""
+
+    stats: Optional[SpecStats] = None
+
+
+def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        prompt = tokenizer.encode(
+            prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
+        )
+    prompt = mx.array(prompt) if not isinstance(prompt, mx.array) else prompt
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError(
+            f"prompt must be a non-empty 1-D sequence of token ids, got shape {prompt.shape}"
+        )
+    return prompt.astype(mx.uint32)
+
+
+def check_options(max_tokens, draft: str, num_draft_tokens: int):
+    """Raise ``ValueError`` naming the bad value; called before any state changes."""
+    if not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if draft not in DRAFTS:
+        raise ValueError(f"unknown draft {draft!r}; choose one of {', '.join(DRAFTS)}")
+    if not isinstance(num_draft_tokens, int) or not (
+        0 <= num_draft_tokens <= MAX_DRAFT_TOKENS
+    ):
+        raise ValueError(
+            f"num_draft_tokens must be an integer in 0..{MAX_DRAFT_TOKENS}, "
+            f"got {num_draft_tokens!r}"
+        )
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: Union[str, mx.array, List[int]],
+    max_tokens: int = 256,
+    draft: str = "ngram",
+    num_draft_tokens: int = 3,
+    max_ngram: int = 3,
+    stats: Optional[SpecStats] = None,
+    **kwargs,
+):
+    """Like ``mlx_lm.stream_generate``, drafting with ``draft`` and verifying.
+
+    Yields ``SpecGenerationResponse`` (a ``GenerationResponse``) objects;
+    ``from_draft`` is True for tokens that were drafted and accepted. Extra
+    keyword arguments are those of ``mlx_lm.generate_step``. ``draft="none"``
+    (or ``num_draft_tokens=0``) is plain mlx-lm decoding.
+    """
+    check_options(max_tokens, draft, num_draft_tokens)
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if kwargs.pop("draft_model", None) is not None:
+        raise ValueError(
+            "draft_model is not supported by mlx_spec; use draft='ngram' "
+            "(or mlx_lm.stream_generate for a separate draft model)"
+        )
+    prompt = _encode(tokenizer, prompt)
+    stats = SpecStats() if stats is None else stats
+    drafter = make_drafter(draft, max_ngram=max_ngram)
+    stream = kwargs.pop("stream", generation_stream)
+    kwargs.pop("num_draft_tokens", None)
+    kwargs["max_tokens"] = max_tokens
+
+    if drafter is None or num_draft_tokens == 0:
+        tokens = generate_step(prompt, model, stream, **kwargs)
+        tokens = ((t, lp, False) for t, lp in tokens)
+    else:
+        used = [k for k in _PLAIN_ONLY if kwargs.get(k) is not None]
+        if used:
+            raise ValueError(
+                f"{', '.join(used)} is not supported with speculative decoding "
+                f"(draft={draft!r}); use draft='none'"
+            )
+        for k in _PLAIN_ONLY:
+            kwargs.pop(k, None)
+        tokens = _on_stream(
+            stream,
+            speculative_generate_step(
+                prompt,
+                model,
+                drafter,
+                num_draft_tokens=num_draft_tokens,
+                stats=stats,
+                **kwargs,
+            ),
+        )
+    yield from _responses(model, tokenizer, prompt, tokens, max_tokens, stream, stats)
+
+
+def _on_stream(stream, generator):
+    """Run each step of ``generator`` with ``stream`` as the default stream."""
+    while True:
+        with mx.stream(stream):
+            try:
+                item = next(generator)
+            except StopIteration:
+                return
+        yield item
+
+
+def _responses(model, tokenizer, prompt, tokens, max_tokens, stream, stats):
+    """Detokenize and time ``(token, logprobs, from_draft)`` like mlx-lm does."""
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    eos = tokenizer.eos_token_ids
+
+    def response(token, logprobs, from_draft, n, finish_reason=None):
+        return SpecGenerationResponse(
+            text=detokenizer.last_segment,
+            token=token,
+            logprobs=logprobs,
+            from_draft=from_draft,
+            prompt_tokens=prompt.size,
+            prompt_tps=prompt_tps,
+            generation_tokens=n + 1,
+            generation_tps=(n + 1) / (time.perf_counter() - tic),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish_reason,
+            stats=stats,
+        )
+
+    with wired_limit(model, [stream]):
+        tic = time.perf_counter()
+        for n, (token, logprobs, from_draft) in enumerate(tokens):
+            if n == 0:
+                prompt_tps = prompt.size / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            if token in eos:
+                break
+            detokenizer.add_token(token)
+            if n + 1 == max_tokens:
+                break
+            yield response(token, logprobs, from_draft, n)
+        detokenizer.finalize()
+        reason = "stop" if token in eos else "length"
+        yield response(token, logprobs, from_draft, n, reason)
+
+
+def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
+    """Generate a complete response; prints text, timing and speculation
+    statistics with ``verbose``. Keyword arguments are ``stream_generate``'s."""
+    stats = kwargs.setdefault("stats", SpecStats())
+    if verbose:
+        print("=" * 10)
+    text = ""
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose:
+        print()
+        print("=" * 10)
+        print(
+            f"Prompt: {response.prompt_tokens} tokens, "
+            f"{response.prompt_tps:.3f} tokens-per-sec"
+        )
+        print(
+            f"Generation: {response.generation_tokens} tokens, "
+            f"{response.generation_tps:.3f} tokens-per-sec"
+        )
+        if stats.verify_passes:
+            print(stats.summary())
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return text

@@ -1,0 +1,85 @@
+"""The target model seen by the decode loop: logits and post-norm hidden states."""
+
+from typing import Callable, List, Optional, Tuple
+
+import mlx.core as mx
+
+from .state import SpeculativeCache
+
+# Model types whose ``model.model(...)`` returns the post-final-norm hidden
+# state and whose logits are exactly ``lm_head(hidden)`` (no softcap/scale).
+_SPLIT_MODEL_TYPES = {
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2",
+    "llama",
+}
+
+
+def _lm_head(model) -> Optional[Callable[[mx.array], mx.array]]:
+    owner = getattr(model, "language_model", model)
+    if getattr(owner, "lm_head", None) is not None:
+        return owner.lm_head
+    args = getattr(owner, "args", None)
+    if getattr(args, "tie_word_embeddings", False):
+        return owner.model.embed_tokens.as_linear
+    return None
+
+
+class Target:
+    """Runs the target over token blocks on a :class:`SpeculativeCache`.
+
+    ``forward`` returns hidden states (the tensor that feeds ``lm_head``) when
+    the model type allows the split, else ``None`` for them.
+    """
+
+    def __init__(self, model, cache: SpeculativeCache):
+        self.model = model
+        self.cache = cache
+        self.head = None
+        if getattr(model, "model_type", None) in _SPLIT_MODEL_TYPES:
+            self.head = _lm_head(model)
+
+    @property
+    def has_hidden(self) -> bool:
+        return self.head is not None
+
+    def hidden(self, tokens: mx.array) -> Optional[mx.array]:
+        """Advance the caches over ``tokens`` [T]; hidden: [T, H] (lazy) or None."""
+        if self.head is None:
+            self.model(tokens[None], cache=self.cache.caches)
+            return None
+        return self.model.model(tokens[None], cache=self.cache.caches)[0]
+
+    def forward(self, tokens: mx.array) -> Tuple[mx.array, Optional[mx.array]]:
+        """tokens: [T] -> (logits [T, V], hidden [T, H] or None)."""
+        if self.head is None:
+            return self.model(tokens[None], cache=self.cache.caches)[0], None
+        hidden = self.model.model(tokens[None], cache=self.cache.caches)
+        return self.head(hidden)[0], hidden[0]
+
+    def prefill(
+        self,
+        tokens: mx.array,
+        step_size: int,
+        progress: Callable[[int], None],
+        after_chunk: Callable[[], None],
+        keep_hidden: bool = False,
+    ) -> Optional[mx.array]:
+        """Process ``tokens`` [N] in chunks as mlx-lm does; hidden: [N, H] or None."""
+        hidden = []
+        done = 0
+        while done < tokens.size:
+            chunk = tokens[done : done + step_size]
+            h = self.hidden(chunk)
+            after_chunk()
+            if keep_hidden and h is not None:
+                hidden.append(h)
+            mx.eval([c.state for c in self.cache.caches] + hidden[-1:])
+            done += chunk.size
+            progress(done)
+            mx.clear_cache()
+        return mx.concatenate(hidden) if hidden else None
