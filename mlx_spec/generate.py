@@ -85,7 +85,7 @@ def stream_generate(
         )
     prompt = _encode(tokenizer, prompt)
     stats = SpecStats() if stats is None else stats
-    drafter = make_drafter(draft, max_ngram=max_ngram)
+    drafter = make_drafter(draft, model, max_ngram=max_ngram)
     stream = kwargs.pop("stream", generation_stream)
     kwargs.pop("num_draft_tokens", None)
     kwargs["max_tokens"] = max_tokens

@@ -10,8 +10,8 @@ from .ngram import NgramDrafter
 DRAFTS = ("none", "ngram")
 
 
-def make_drafter(draft: str, max_ngram: int = 3):
-    """Build the drafter named by ``draft`` (``"none"`` gives None)."""
+def make_drafter(draft: str, model=None, max_ngram: int = 3):
+    """Build the drafter named by ``draft`` for ``model`` (``"none"``: None)."""
     if draft not in DRAFTS:
         raise ValueError(f"unknown draft {draft!r}; choose one of {', '.join(DRAFTS)}")
     if draft == "ngram":
