@@ -42,12 +42,19 @@ def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     return prompt.astype(mx.uint32)
 
 
-def check_options(max_tokens, draft: str, num_draft_tokens: int):
+def _is_drafter(draft) -> bool:
+    return all(callable(getattr(draft, m, None)) for m in ("reset", "draft", "accept"))
+
+
+def check_options(max_tokens, draft, num_draft_tokens: int):
     """Raise ``ValueError`` naming the bad value; called before any state changes."""
     if not isinstance(max_tokens, int) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if draft not in DRAFTS:
-        raise ValueError(f"unknown draft {draft!r}; choose one of {', '.join(DRAFTS)}")
+    if not (draft in DRAFTS if isinstance(draft, str) else _is_drafter(draft)):
+        raise ValueError(
+            f"unknown draft {draft!r}; choose one of {', '.join(DRAFTS)} "
+            "or pass an object with reset/draft/accept methods"
+        )
     if not isinstance(num_draft_tokens, int) or not (
         0 <= num_draft_tokens <= MAX_DRAFT_TOKENS
     ):
@@ -62,13 +69,16 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, mx.array, List[int]],
     max_tokens: int = 256,
-    draft: str = "ngram",
+    draft="ngram",
     num_draft_tokens: int = 3,
     max_ngram: int = 3,
     stats: Optional[SpecStats] = None,
     **kwargs,
 ):
     """Like ``mlx_lm.stream_generate``, drafting with ``draft`` and verifying.
+
+    ``draft`` is a drafter name (``"none"``, ``"ngram"``, ...) or an object
+    with ``reset(prompt, hidden)``, ``draft(k)`` and ``accept(tokens, hidden)``.
 
     Yields ``SpecGenerationResponse`` (a ``GenerationResponse``) objects;
     ``from_draft`` is True for tokens that were drafted and accepted. Extra
@@ -85,7 +95,11 @@ def stream_generate(
         )
     prompt = _encode(tokenizer, prompt)
     stats = SpecStats() if stats is None else stats
-    drafter = make_drafter(draft, model, max_ngram=max_ngram)
+    drafter = (
+        make_drafter(draft, model, max_ngram=max_ngram)
+        if isinstance(draft, str)
+        else draft
+    )
     stream = kwargs.pop("stream", generation_stream)
     kwargs.pop("num_draft_tokens", None)
     kwargs["max_tokens"] = max_tokens

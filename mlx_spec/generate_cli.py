@@ -1,0 +1,106 @@
+"""``mlx_spec generate``: the flags of ``mlx_lm.generate`` plus drafting flags."""
+
+import sys
+
+import mlx.core as mx
+from mlx_lm.generate import setup_arg_parser
+from mlx_lm.sample_utils import make_sampler
+
+from .decode import MAX_DRAFT_TOKENS
+from .demo import default_model_path
+from .drafters import DRAFTS
+from .generate import generate
+from .loading import load
+
+# mlx_lm.generate flags that speculative decoding here does not implement.
+_UNSUPPORTED = {"draft_model": "--draft-model", "image": "--image"}
+
+
+def setup_parser():
+    parser = setup_arg_parser()
+    parser.prog = "mlx_spec generate"
+    parser.description = "Speculative generation with drafts from the model's MTP head or n-gram lookup."
+    parser.add_argument(
+        "--draft",
+        choices=DRAFTS,
+        default="ngram",
+        help="Drafter: 'ngram' looks the context up for a continuation; 'none' "
+        "is plain decoding.",
+    )
+    parser.add_argument(
+        "--max-ngram",
+        type=int,
+        default=3,
+        help="Longest n-gram the lookup drafter matches (>= 2).",
+    )
+    parser.add_argument(
+        "--rollback",
+        choices=("store", "replay"),
+        default="store",
+        help="How Gated-DeltaNet layers are rolled back after a verify pass.",
+    )
+    for action in parser._actions:
+        if action.dest == "model":
+            action.help = "Model directory (default: the bundled demo model)."
+        if action.dest == "num_draft_tokens":
+            action.help = f"Tokens drafted per verify pass (0..{MAX_DRAFT_TOKENS})."
+    return parser
+
+
+def main(argv=None):
+    args = setup_parser().parse_args(argv)
+    for dest, flag in _UNSUPPORTED.items():
+        if getattr(args, dest, None):
+            print(f"mlx_spec generate: {flag} is not supported", file=sys.stderr)
+            return 2
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    model, tokenizer = load(args.model or default_model_path())
+    for token in args.extra_eos_token:
+        tokenizer.add_eos_token(token)
+
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    prompt = sys.stdin.read() if prompt == "-" else prompt
+    chat = not args.ignore_chat_template and tokenizer.has_chat_template
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        if args.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": args.system_prompt})
+        prompt = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    prompt = tokenizer.encode(prompt, add_special_tokens=not chat)
+    sampler = make_sampler(
+        args.temp,
+        args.top_p,
+        args.min_p,
+        args.min_tokens_to_keep,
+        top_k=args.top_k,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
+    )
+    try:
+        text = generate(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens=args.max_tokens,
+            verbose=args.verbose,
+            sampler=sampler,
+            draft=args.draft,
+            num_draft_tokens=args.num_draft_tokens,
+            max_ngram=args.max_ngram,
+            rollback=args.rollback,
+            max_kv_size=args.max_kv_size,
+            prefill_step_size=args.prefill_step_size,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            quantized_kv_start=args.quantized_kv_start,
+        )
+    except ValueError as e:
+        print(f"mlx_spec generate: {e}", file=sys.stderr)
+        return 2
+    if not args.verbose:
+        print(text)
+    return 0

@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny raw checkpoints of every supported family, built by code."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import stream_generate as mlx_stream_generate
+
+import mlx_spec
+from mlx_spec.tiny_checkpoint import FAMILIES, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {f: write_tiny_checkpoint(root / f, f, seed=0) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def models(checkpoint_dirs):
+    """family -> (model, tokenizer), loaded once per session through mlx_spec.load."""
+    return {f: mlx_spec.load(p) for f, p in checkpoint_dirs.items()}
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+def reference_tokens(model, tokenizer, prompt, max_tokens, **kwargs):
+    """Greedy tokens of plain mlx-lm decoding."""
+    return [
+        r.token
+        for r in mlx_stream_generate(
+            model, tokenizer, mx.array(prompt), max_tokens=max_tokens, **kwargs
+        )
+    ]
+
+
+def spec_tokens(model, tokenizer, prompt, max_tokens, **kwargs):
+    return [
+        r.token
+        for r in mlx_spec.stream_generate(
+            model, tokenizer, mx.array(prompt), max_tokens=max_tokens, **kwargs
+        )
+    ]
+
+
+class OracleDrafter:
+    """Drafts a known continuation, corrupting each token with probability
+    ``error``: exercises full, partial and zero acceptance on random models."""
+
+    def __init__(self, sequence, error=0.0, vocab=256, seed=0):
+        self.sequence, self.error, self.vocab = list(sequence), error, vocab
+        self.rng = random.Random(seed)
+
+    def reset(self, prompt, hidden=None):
+        self.pos = len(prompt)
+
+    def accept(self, tokens, hidden=None):
+        self.pos += len(tokens)
+
+    def draft(self, k):
+        out = self.sequence[self.pos : self.pos + k]
+        return [
+            t if self.rng.random() >= self.error else (t + 1) % self.vocab for t in out
+        ]
+
+
+def prompts(kind, n=24, seed=0):
+    rng = random.Random(seed)
+    if kind == "random":
+        return [rng.randrange(256) for _ in range(n)]
+    if kind == "repetitive":
+        unit = [rng.randrange(256) for _ in range(5)]
+        return (unit * n)[:n]
+    unit = [rng.randrange(256) for _ in range(6)]
+    return [rng.randrange(256) for _ in range(8)] + unit + [7, 8] + unit + unit[:3]
