@@ -6,7 +6,7 @@ plain one-token decoding runs, so the states it returns are bit-identical to
 the ones plain decoding would reach.
 """
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import gated_delta_update
@@ -23,13 +23,14 @@ def gated_delta_steps(
     state: Optional[mx.array],
     mask: Optional[mx.array] = None,
     keep_states: bool = True,
-) -> Tuple[mx.array, mx.array]:
+) -> Tuple[mx.array, Union[mx.array, List[mx.array]]]:
     """Run ``T`` recurrence steps.
 
     Shapes: q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; a, b: [B, T, Hv];
     state: [B, Hv, Dv, Dk] float32 (None: zeros); mask: [B, T] or None.
-    Returns y: [B, T, Hv, Dv] and, with ``keep_states``, the state after each
-    token stacked as [T, B, Hv, Dv, Dk]; otherwise the final state [B, Hv, Dv, Dk].
+    Returns y: [B, T, Hv, Dv] and, with ``keep_states``, the list of the T
+    states after each token; otherwise the final state. A state is
+    [B, Hv, Dv, Dk] float32.
     """
     T = q.shape[1]
     ys, states = [], []
@@ -48,4 +49,4 @@ def gated_delta_steps(
         ys.append(y)
         states.append(state)
     y = mx.concatenate(ys, axis=1)
-    return y, (mx.stack(states) if keep_states else state)
+    return y, (states if keep_states else state)

@@ -79,10 +79,10 @@ class GDNSlotCache(ArraysCache):
         y, states = gated_delta_steps(*gdn_inputs, pre_state, mask, keep_states=store)
         if store:
             if self.state_pool is None:
-                self.state_pool = mx.zeros(
-                    (self.max_tokens,) + states.shape[1:], states.dtype
-                )
-            self.state_pool[:T] = states
+                shape = (self.max_tokens,) + states[0].shape
+                self.state_pool = mx.zeros(shape, states[0].dtype)
+            for t, s in enumerate(states):
+                self.state_pool[t] = s
             final = states[-1]
         else:
             self._replay = (pre_state, gdn_inputs, mask)

@@ -1,0 +1,118 @@
+"""Measure the two GDN rollback strategies on one real-size GDN layer.
+
+For a verify pass of T tokens followed by ``commit(n)``, times
+- "store":  keep the recurrent state after every token, rollback picks a slot;
+- "replay": keep the recurrence inputs, rollback re-runs the first n tokens.
+
+Usage: python scripts/bench_rollback.py [--dims qwen3_next|qwen3_5_35b|tiny]
+On Linux preload OpenBLAS for GPU-like matmul scaling (say so in results):
+LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm.models import qwen3_next
+
+from mlx_spec.gdn import make_verifiable
+from mlx_spec.state import GDNSlotCache
+
+DIMS = {
+    # Qwen3-Next-80B-A3B GDN layer (MTP_FACTS.md section 3)
+    "qwen3_next": dict(hidden_size=2048, k_heads=16, v_heads=32, head_dim=128),
+    # Qwen3.5-35B-A3B uses the same GDN geometry
+    "qwen3_5_35b": dict(hidden_size=2048, k_heads=16, v_heads=32, head_dim=128),
+    "tiny": dict(hidden_size=64, k_heads=2, v_heads=4, head_dim=32),
+}
+
+
+def make_layer(d, dtype):
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next",
+        hidden_size=d["hidden_size"],
+        num_hidden_layers=1,
+        intermediate_size=1,
+        num_attention_heads=1,
+        linear_num_value_heads=d["v_heads"],
+        linear_num_key_heads=d["k_heads"],
+        linear_key_head_dim=d["head_dim"],
+        linear_value_head_dim=d["head_dim"],
+        linear_conv_kernel_dim=4,
+        num_experts=0,
+        num_experts_per_tok=0,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=0,
+        mlp_only_layers=[],
+        moe_intermediate_size=0,
+        rms_norm_eps=1e-6,
+        vocab_size=1,
+        num_key_value_heads=1,
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=4096,
+        head_dim=d["head_dim"],
+    )
+    layer = qwen3_next.Qwen3NextGatedDeltaNet(args)
+    layer.set_dtype(dtype)
+    make_verifiable(layer)
+    mx.eval(layer.parameters())
+    return layer
+
+
+def time_step(layer, cache, x, n, repeats):
+    """Median seconds of one verify pass over x [1, T, H] plus commit(n);
+    ``n=None`` times mlx-lm's own forward (no capture, no rollback)."""
+    times = []
+    for i in range(repeats + 2):
+        mx.eval(cache.cache)
+        tic = time.perf_counter()
+        cache.capturing = n is not None
+        y = layer(x, cache=cache)
+        mx.eval(y, cache.cache)
+        if n is not None:
+            cache.commit(n)
+            mx.eval(cache.cache)
+        if i >= 2:
+            times.append(time.perf_counter() - tic)
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dims", choices=DIMS, default="qwen3_next")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    d = DIMS[args.dims]
+    layer = make_layer(d, mx.bfloat16 if args.dims != "tiny" else mx.float32)
+    rows = []
+    print(f"GDN rollback, {args.dims} dims, device {mx.default_device()}")
+    print(f"{'T':>3} {'n':>3} {'plain ms':>9} {'store ms':>9} {'replay ms':>10}")
+    for T in (2, 4, 9):
+        x = mx.random.normal((1, T, d["hidden_size"])).astype(layer.A_log.dtype)
+        for n in sorted({1, (T + 1) // 2, T}):
+            res = {"T": T, "n": n}
+            for strategy in ("store", "replay"):
+                cache = GDNSlotCache(max_tokens=9, rollback=strategy)
+                layer(
+                    mx.random.normal((1, 8, d["hidden_size"])).astype(x.dtype),
+                    cache=cache,
+                )
+                res[strategy] = 1e3 * time_step(layer, cache, x, n, args.repeats)
+            rows.append(res)
+            print(f"{T:>3} {n:>3} {res['store']:>9.3f} {res['replay']:>10.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"machine": platform.platform(), "dims": args.dims, "rows": rows},
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
