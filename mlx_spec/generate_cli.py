@@ -19,7 +19,9 @@ _UNSUPPORTED = {"draft_model": "--draft-model", "image": "--image"}
 def setup_parser():
     parser = setup_arg_parser()
     parser.prog = "mlx_spec generate"
-    parser.description = "Speculative generation with drafts from the model's MTP head or n-gram lookup."
+    parser.description = (
+        "Speculative generation with drafts from the model's MTP head or n-gram lookup."
+    )
     parser.add_argument(
         "--draft",
         choices=DRAFTS,
