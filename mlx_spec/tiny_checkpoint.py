@@ -25,27 +25,28 @@ Values are a pure function of ``(seed, tensor name, shape)``: each tensor has it
 numpy Generator seeded from the seed and a CRC of its name, so the same seed always
 gives the same bytes, and changing one dimension leaves unrelated tensors unchanged.
 
-The tokenizer is a byte-level BPE learned (by a small deterministic trainer in this
-module) from an embedded snippet of Python code: 256 byte tokens (ids 0-255 in byte
-order), 143 merges and the special token ``<|endoftext|>`` (EOS and pad, id 399), 400
-tokens in all. Its pipeline is the Qwen3.5 one (NFC normalizer, Qwen split regex,
-ByteLevel), which transformers' ``Qwen3_5Tokenizer`` rebuilds anyway for
-``model_type`` qwen3_5*; so every family and every loading path (``tokenizers`` on
-``tokenizer.json``, ``AutoTokenizer``, ``mlx_lm.load``) encodes alike, and
-``decode(encode(s)) == s`` for every NFC-normalised string (all ASCII text included).
+The tokenizer (``tiny_tokenizer.py``) is a 400-token byte-level BPE with
+``<|endoftext|>`` (id 399) as EOS and pad.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import pathlib
 import zlib
-from collections import Counter
 from typing import Any, Dict, List, Tuple, Union
 
 import numpy as np
+
+from .tiny_tokenizer import (
+    EOS_TOKEN,
+    EOS_TOKEN_ID,
+    TOKENIZER_VOCAB_SIZE,
+    build_tokenizer,
+    tokenizer_config,
+    tokenizer_json,
+)
 
 __all__ = [
     "FAMILIES",
@@ -64,10 +65,6 @@ __all__ = [
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 DTYPES = ("float32", "bfloat16", "float16")
 
-EOS_TOKEN = "<|endoftext|>"
-_NUM_MERGES = 143
-TOKENIZER_VOCAB_SIZE = 256 + _NUM_MERGES + 1  # bytes + merges + EOS
-EOS_TOKEN_ID = TOKENIZER_VOCAB_SIZE - 1
 
 # Standard deviation of the zero-centred norm gammas (stored value; the model uses 1 + w).
 _NORM_STD = 0.2
@@ -424,213 +421,6 @@ def _values(seed: int, name: str, shape: Tuple[int, ...], kind: str) -> np.ndarr
     return np.ascontiguousarray(w, dtype=np.float32)
 
 
-# ------------------------------------------------------------------------- tokenizer
-
-_CORPUS = '''\
-import os
-import sys
-from typing import Dict, List, Optional
-
-
-def read_lines(path: str) -> List[str]:
-    """Return the lines of a text file without the trailing newline."""
-    with open(path, "r", encoding="utf-8") as handle:
-        return [line.rstrip("\\n") for line in handle]
-
-
-def count_words(lines: List[str]) -> Dict[str, int]:
-    counts: Dict[str, int] = {}
-    for line in lines:
-        for word in line.split():
-            counts[word] = counts.get(word, 0) + 1
-    return counts
-
-
-class Stack:
-    def __init__(self) -> None:
-        self.items: List[int] = []
-
-    def push(self, value: int) -> None:
-        self.items.append(value)
-
-    def pop(self) -> Optional[int]:
-        if not self.items:
-            return None
-        return self.items.pop()
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-
-def fibonacci(n: int) -> int:
-    a, b = 0, 1
-    for _ in range(n):
-        a, b = b, a + b
-    return a
-
-
-def main(argv: List[str]) -> int:
-    if len(argv) < 2:
-        print("usage: words.py FILE", file=sys.stderr)
-        return 1
-    path = argv[1]
-    if not os.path.exists(path):
-        print(f"no such file: {path}", file=sys.stderr)
-        return 2
-    counts = count_words(read_lines(path))
-    for word, count in sorted(counts.items(), key=lambda item: -item[1]):
-        print(f"{word}\\t{count}")
-    stack = Stack()
-    for i in range(10):
-        stack.push(fibonacci(i))
-    while len(stack) > 0:
-        value = stack.pop()
-        print("value =", value)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))
-'''
-
-
-def _bytes_to_unicode() -> Dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (ByteLevel alphabet)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("\xa1"), ord("\xac") + 1))
-        + list(range(ord("\xae"), ord("\xff") + 1))
-    )
-    table: Dict[int, str] = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def _train_bpe(words: Counter, num_merges: int) -> List[Tuple[str, str]]:
-    """Greedy BPE: merge the most frequent adjacent pair; ties -> smallest pair."""
-    seqs = {w: list(w) for w in words}
-    merges: List[Tuple[str, str]] = []
-    for _ in range(num_merges):
-        pairs: Counter = Counter()
-        for w, n in words.items():
-            s = seqs[w]
-            for a, b in zip(s, s[1:]):
-                pairs[(a, b)] += n
-        if not pairs:
-            break
-        best_n = max(pairs.values())
-        if best_n < 2:
-            break
-        best = min(p for p, n in pairs.items() if n == best_n)
-        merges.append(best)
-        joined = best[0] + best[1]
-        for w, s in seqs.items():
-            if len(s) < 2:
-                continue
-            out, i = [], 0
-            while i < len(s):
-                if i + 1 < len(s) and s[i] == best[0] and s[i + 1] == best[1]:
-                    out.append(joined)
-                    i += 2
-                else:
-                    out.append(s[i])
-                    i += 1
-            seqs[w] = out
-    return merges
-
-
-# The pre-tokenizer split of the Qwen3.5 tokenizer (transformers' ``Qwen3_5Tokenizer``
-# rebuilds exactly this pipeline for ``model_type`` qwen3_5*, whatever tokenizer.json
-# says, so writing it into tokenizer.json keeps every loading path identical).
-_PRETOKENIZE_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-@functools.lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
-    from tokenizers import normalizers, pre_tokenizers
-
-    normalizer = normalizers.NFC()
-    pre = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(
-                Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False
-            ),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    words = Counter(
-        piece for piece, _ in pre.pre_tokenize_str(normalizer.normalize_str(_CORPUS))
-    )
-    merges = _train_bpe(words, _NUM_MERGES)
-    if len(merges) != _NUM_MERGES:  # pragma: no cover - corpus is fixed
-        raise AssertionError(f"corpus gave {len(merges)} merges, not {_NUM_MERGES}")
-    byte_chars = _bytes_to_unicode()
-    vocab = {byte_chars[b]: b for b in range(256)}
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    if len(vocab) != TOKENIZER_VOCAB_SIZE - 1:  # pragma: no cover
-        raise AssertionError("duplicate merge result")
-    tok = Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            unk_token=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-            byte_fallback=False,
-        )
-    )
-    tok.normalizer = normalizer
-    tok.pre_tokenizer = pre
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
-    if tok.token_to_id(EOS_TOKEN) != EOS_TOKEN_ID:  # pragma: no cover
-        raise AssertionError("EOS id mismatch")
-    return tok.to_str(pretty=True)
-
-
-def build_tokenizer():
-    """The tiny byte-level BPE as a ``tokenizers.Tokenizer`` (deterministic, offline)."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_str(_tokenizer_json())
-
-
-def _tokenizer_config(max_len: int) -> Dict[str, Any]:
-    return {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(EOS_TOKEN_ID): {
-                "content": EOS_TOKEN,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-        },
-        "bos_token": None,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": EOS_TOKEN,
-        "errors": "replace",
-        "model_max_length": max_len,
-        "pad_token": EOS_TOKEN,
-        "split_special_tokens": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": None,
-    }
-
-
 def eos_token_id(path: Union[str, pathlib.Path]) -> int:
     """The EOS id recorded in a checkpoint's ``config.json``."""
     cfg = json.loads((pathlib.Path(path) / "config.json").read_text())
@@ -693,8 +483,8 @@ def write_tiny_checkpoint(
     }
     _save(tensors, out / "model.safetensors", dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "tokenizer.json").write_text(_tokenizer_json())
+    (out / "tokenizer.json").write_text(tokenizer_json())
     (out / "tokenizer_config.json").write_text(
-        json.dumps(_tokenizer_config(dims["max_position_embeddings"]), indent=2) + "\n"
+        json.dumps(tokenizer_config(dims["max_position_embeddings"]), indent=2) + "\n"
     )
     return out
