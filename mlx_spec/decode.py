@@ -4,11 +4,11 @@ from typing import Any, Callable, Generator, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
-from mlx_lm.sample_utils import make_sampler
 
 from .state import SpeculativeCache
 from .target import Target
-from .verify import SpecStats, accept_greedy
+from .sampling import make_sampler
+from .verify import SpecStats, verify_draft
 
 MAX_DRAFT_TOKENS = 16
 
@@ -84,18 +84,19 @@ def speculative_generate_step(
     while max_tokens < 0 or produced < max_tokens:
         room = num_draft_tokens if max_tokens < 0 else max_tokens - produced - 1
         k = min(num_draft_tokens, room)
-        if kv_bits is not None and (cache.offset or 0) < quantized_kv_start:
+        offset = cache.offset
+        if kv_bits is not None and offset is not None and offset < quantized_kv_start:
             # Plain decoding quantizes the KV cache once it holds exactly
             # quantized_kv_start tokens: never verify across that point.
-            k = min(k, quantized_kv_start - cache.offset - 1)
+            k = min(k, quantized_kv_start - offset - 1)
         draft = drafter.draft(k) if drafter is not None and k > 0 else []
 
         cache.begin(1 + len(draft))
         logits, hidden = target.forward(mx.array(history[-1:] + draft))
         logprobs = _score(logits, history, draft, logits_processors)
-        choice = sampler(logprobs).tolist()  # the one host sync of the step
-        n = accept_greedy(draft, choice)
-        emitted = draft[:n] + [choice[n]]
+        q = getattr(drafter, "draft_probs", None) if draft else None
+        n, token = verify_draft(draft, logprobs, sampler, q)  # the one host sync
+        emitted = draft[:n] + [token]
         cache.commit(n + 1)
         quantize()
 

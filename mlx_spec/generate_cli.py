@@ -4,13 +4,13 @@ import sys
 
 import mlx.core as mx
 from mlx_lm.generate import setup_arg_parser
-from mlx_lm.sample_utils import make_sampler
 
 from .decode import MAX_DRAFT_TOKENS
 from .demo import default_model_path
 from .drafters import DRAFTS
 from .generate import generate
 from .loading import load
+from .sampling import make_sampler
 
 # mlx_lm.generate flags that speculative decoding here does not implement.
 _UNSUPPORTED = {"draft_model": "--draft-model", "image": "--image"}

@@ -1,7 +1,11 @@
 """Verification of a draft against the target's choices."""
 
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .sampling import rejection_sample
 
 
 def accept_greedy(draft: Sequence[int], target: Sequence[int]) -> int:
@@ -14,6 +18,30 @@ def accept_greedy(draft: Sequence[int], target: Sequence[int]) -> int:
     while n < len(draft) and draft[n] == target[n]:
         n += 1
     return n
+
+
+def verify_draft(
+    draft: List[int],
+    logprobs: mx.array,
+    sampler,
+    draft_probs: Optional[mx.array] = None,
+) -> Tuple[int, int]:
+    """Accepted draft count and the next token, with one host synchronisation.
+
+    logprobs: [T, V] target log-probabilities (T = 1 + len(draft)).
+    Greedy or opaque samplers (no ``logits``): each position is sampled and
+    drafts are kept while they equal the samples (exact for deterministic
+    drafts). A sampler with a known distribution: rejection sampling against
+    ``draft_probs`` [k, V] (None: deterministic drafts).
+    """
+    if draft and not getattr(sampler, "greedy", True) and hasattr(sampler, "logits"):
+        n, token = rejection_sample(
+            mx.array(draft), sampler.logits(logprobs), draft_probs
+        ).tolist()
+        return n, token
+    choice = sampler(logprobs).tolist()
+    n = accept_greedy(draft, choice)
+    return n, choice[n]
 
 
 @dataclass

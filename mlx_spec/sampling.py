@@ -1,0 +1,121 @@
+"""Samplers whose distribution is known, so drafts can be rejection-sampled.
+
+``make_sampler`` takes the arguments of ``mlx_lm.sample_utils.make_sampler``
+and returns a :class:`Sampler`: called on log-probabilities it samples exactly
+as mlx-lm's sampler does (the same filters, in the same order, then
+temperature), and ``logits(logprobs)`` exposes the logits of that sampling
+distribution for verification. XTC draws a coin per step, so its distribution
+is not a fixed function of the logits: with ``xtc_probability > 0`` mlx-lm's
+own sampler is returned, and drafts are verified by sample-and-match (still
+exact, fewer acceptances).
+"""
+
+from typing import List, Optional
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+)
+from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
+
+
+class Sampler:
+    """Temperature / top-p / min-p / top-k sampling with an explicit distribution."""
+
+    def __init__(
+        self,
+        temp: float = 0.0,
+        top_p: float = 0.0,
+        min_p: float = 0.0,
+        min_tokens_to_keep: int = 1,
+        top_k: int = 0,
+    ):
+        if temp < 0:
+            raise ValueError(f"temp must be >= 0, got {temp!r}")
+        self.temp = temp
+        self.filters = []
+        if 0 < top_p < 1.0:
+            self.filters.append(lambda x: apply_top_p(x, top_p))
+        if min_p != 0.0:
+            self.filters.append(lambda x: apply_min_p(x, min_p, min_tokens_to_keep))
+        if top_k > 0:
+            self.filters.append(lambda x: apply_top_k(x, top_k))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def logits(self, logprobs: mx.array) -> mx.array:
+        """Logits [..., V] whose softmax is the sampling distribution."""
+        for f in self.filters:
+            logprobs = f(logprobs)
+        return logprobs * (1 / self.temp)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if self.greedy:
+            return mx.argmax(logprobs, axis=-1)
+        return mx.random.categorical(self.logits(logprobs))
+
+
+def make_sampler(
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    top_k: int = 0,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    xtc_special_tokens: Optional[List[int]] = None,
+):
+    """Drop-in for ``mlx_lm.sample_utils.make_sampler`` (see module docstring)."""
+    if xtc_probability > 0.0:
+        return mlx_make_sampler(
+            temp,
+            top_p,
+            min_p,
+            min_tokens_to_keep,
+            top_k=top_k,
+            xtc_probability=xtc_probability,
+            xtc_threshold=xtc_threshold,
+            xtc_special_tokens=xtc_special_tokens,
+        )
+    return Sampler(temp, top_p, min_p, min_tokens_to_keep, top_k)
+
+
+def rejection_sample(
+    draft: mx.array, p_logits: mx.array, q_probs: Optional[mx.array] = None
+) -> mx.array:
+    """Leviathan et al. (2023) verification of ``k`` drafted tokens.
+
+    draft: [k] token ids; p_logits: [k+1, V] target sampling logits, row i for
+    the position of draft[i] (row k: after the last draft); q_probs: [k, V] the
+    distributions the drafts were sampled from, or None for deterministic drafts
+    (q one-hot at the draft). Draft i is accepted with probability
+    min(1, p_i(x)/q_i(x)) (0 when q_i(x) = 0); the first rejection emits a
+    sample of norm(max(0, p_i - q_i)); full acceptance emits a sample of p_k.
+    Returns [2] (on device): the number accepted n and the emitted token.
+    """
+    k = draft.size
+    p = mx.softmax(p_logits.astype(mx.float32), axis=-1)  # [k+1, V]
+    rows = mx.arange(k)
+    px = p[rows, draft]
+    if q_probs is None:
+        qx = mx.ones_like(px)
+        residual = mx.put_along_axis(p[:k], draft[:, None], mx.array(0.0), axis=-1)
+    else:
+        q = q_probs.astype(mx.float32)
+        qx = q[rows, draft]
+        residual = mx.maximum(p[:k] - q, 0.0)
+    ratio = mx.where(qx > 0, px / mx.where(qx > 0, qx, 1.0), 0.0)
+    accepted = mx.random.uniform(shape=(k,)) < mx.minimum(ratio, 1.0)
+    n = mx.cumprod(accepted.astype(mx.int32)).sum()
+
+    # A residual with no mass (p == q up to rounding) falls back to p itself.
+    mass = residual.sum(axis=-1, keepdims=True)
+    residual = mx.where(mass > 0, residual, p[:k])
+    candidates = mx.concatenate([residual, p[k:]], axis=0)  # [k+1, V]
+    # One sample per possible stopping row; keep row n. log(0) = -inf masks.
+    tokens = mx.random.categorical(mx.log(candidates))
+    return mx.stack([n, tokens[n].astype(n.dtype)])
