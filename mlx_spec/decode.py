@@ -1,12 +1,14 @@
 """The speculative decode loop: draft, verify once, keep the agreed prefix."""
 
-from typing import Any, Callable, Generator, List, Optional, Tuple
+import time
+from typing import Any, Callable, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 
 from .state import SpeculativeCache
 from .target import Target
+from .adaptive import MAX_AUTO_DRAFT, DraftLengthPolicy, verify_cost_profile
 from .sampling import make_sampler
 from .verify import SpecStats, verify_draft
 
@@ -38,7 +40,7 @@ def speculative_generate_step(
     model,
     drafter,
     *,
-    num_draft_tokens: int = 3,
+    num_draft_tokens: Union[int, str] = 3,
     max_tokens: int = 256,
     sampler: Optional[Callable[[mx.array], mx.array]] = None,
     logits_processors: Optional[List[Callable]] = None,
@@ -54,10 +56,15 @@ def speculative_generate_step(
     """Yield ``(token, logprobs [V], from_draft)`` like mlx-lm's ``generate_step``.
 
     prompt: [N] token ids. Each iteration drafts up to ``num_draft_tokens``
-    tokens, verifies ``[last, *draft]`` in one target pass, keeps the longest
-    prefix the target agrees with plus the target's own next token, and rolls
-    every cache back to that prefix.
+    tokens (``"auto"``: chosen per pass by :class:`DraftLengthPolicy`),
+    verifies ``[last, *draft]`` in one target pass, keeps the longest prefix
+    the target agrees with plus the target's own next token, and rolls every
+    cache back to that prefix.
     """
+    policy = None
+    if num_draft_tokens == "auto":
+        policy = DraftLengthPolicy(verify_cost_profile(model))
+        num_draft_tokens = MAX_AUTO_DRAFT
     sampler = sampler or make_sampler(0.0)
     stats = SpecStats() if stats is None else stats
     progress = prompt_progress_callback or (lambda *_: None)
@@ -83,13 +90,15 @@ def speculative_generate_step(
     produced = 0
     while max_tokens < 0 or produced < max_tokens:
         room = num_draft_tokens if max_tokens < 0 else max_tokens - produced - 1
-        k = min(num_draft_tokens, room)
+        k = policy.choose(room) if policy else min(num_draft_tokens, room)
         offset = cache.offset
         if kv_bits is not None and offset is not None and offset < quantized_kv_start:
             # Plain decoding quantizes the KV cache once it holds exactly
             # quantized_kv_start tokens: never verify across that point.
             k = min(k, quantized_kv_start - offset - 1)
+        tic = time.perf_counter()
         draft = drafter.draft(k) if drafter is not None and k > 0 else []
+        draft_seconds = time.perf_counter() - tic
 
         cache.begin(1 + len(draft))
         logits, hidden = target.forward(mx.array(history[-1:] + draft))
@@ -101,6 +110,8 @@ def speculative_generate_step(
         quantize()
 
         stats.record(len(draft), n, len(emitted))
+        if policy:
+            policy.update(len(draft), n, draft_seconds)
         if drafter is not None:
             drafter.accept(emitted, None if hidden is None else hidden[: n + 1])
         if produced == 0:

@@ -55,11 +55,12 @@ def check_options(max_tokens, draft, num_draft_tokens: int):
             f"unknown draft {draft!r}; choose one of {', '.join(DRAFTS)} "
             "or pass an object with reset/draft/accept methods"
         )
-    if not isinstance(num_draft_tokens, int) or not (
-        0 <= num_draft_tokens <= MAX_DRAFT_TOKENS
+    if num_draft_tokens != "auto" and (
+        not isinstance(num_draft_tokens, int)
+        or not 0 <= num_draft_tokens <= MAX_DRAFT_TOKENS
     ):
         raise ValueError(
-            f"num_draft_tokens must be an integer in 0..{MAX_DRAFT_TOKENS}, "
+            f"num_draft_tokens must be 'auto' or an integer in 0..{MAX_DRAFT_TOKENS}, "
             f"got {num_draft_tokens!r}"
         )
 
@@ -70,7 +71,7 @@ def stream_generate(
     prompt: Union[str, mx.array, List[int]],
     max_tokens: int = 256,
     draft="ngram",
-    num_draft_tokens: int = 3,
+    num_draft_tokens="auto",
     max_ngram: int = 3,
     stats: Optional[SpecStats] = None,
     **kwargs,

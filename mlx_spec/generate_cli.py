@@ -16,6 +16,11 @@ from .sampling import make_sampler
 _UNSUPPORTED = {"draft_model": "--draft-model", "image": "--image"}
 
 
+def draft_length(value: str):
+    """``--num-draft-tokens`` value: 'auto' or an integer (range checked later)."""
+    return value if value == "auto" else int(value)
+
+
 def setup_parser():
     parser = setup_arg_parser()
     parser.prog = "mlx_spec generate"
@@ -45,7 +50,12 @@ def setup_parser():
         if action.dest == "model":
             action.help = "Model directory (default: the bundled demo model)."
         if action.dest == "num_draft_tokens":
-            action.help = f"Tokens drafted per verify pass (0..{MAX_DRAFT_TOKENS})."
+            action.type, action.default = draft_length, "auto"
+            action.help = (
+                f"Tokens drafted per verify pass (0..{MAX_DRAFT_TOKENS}), or 'auto' "
+                "(default): chosen each pass from the measured verify cost and the "
+                "acceptance so far, 0 while speculation does not pay."
+            )
     return parser
 
 

@@ -73,7 +73,7 @@ def test_stats_per_position(models):
         (dict(max_tokens=-3), "got -3"),
         (
             dict(num_draft_tokens=17),
-            "num_draft_tokens must be an integer in 0..16, got 17",
+            "num_draft_tokens must be .auto. or an integer in 0..16, got 17",
         ),
         (dict(num_draft_tokens=-1), "got -1"),
         (dict(draft="eagle"), "unknown draft 'eagle'"),

@@ -1,0 +1,116 @@
+"""Choosing the draft length online: ``--num-draft-tokens auto``.
+
+The expected number of tokens a verify pass with ``k`` drafts yields is
+``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i``, where ``a_i`` is the probability that
+draft ``i`` is accepted given drafts ``1..i-1`` were. Its cost is the measured
+time of a ``(1+k)``-token target forward plus ``k`` drafting steps. The policy
+picks the ``k`` that maximises tokens per second, which is ``k = 0`` (plain
+decoding) whenever speculation does not pay; it then re-probes with one draft
+now and then, so a workload that becomes predictable is noticed.
+"""
+
+import time
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+MAX_AUTO_DRAFT = 8
+# Prior acceptance per position before any evidence, and its weight (in passes).
+_PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
+# Exponential forgetting: acceptance drifts with the content being generated.
+_DECAY = 0.97
+_PROBE_EVERY = 16
+
+_profiles: Dict[int, List[float]] = {}
+
+
+def verify_cost_profile(model, max_tokens: int = MAX_AUTO_DRAFT + 1, repeats: int = 5):
+    """Seconds of a target forward over T = 1..max_tokens tokens (cached per model).
+
+    Measured on a scratch cache holding a short random context, after a
+    warm-up; the minimum of ``repeats`` (robust to a busy machine), made
+    non-decreasing in T. Index 0 is T = 1.
+    """
+    key = id(model)
+    if key in _profiles and len(_profiles[key]) >= max_tokens:
+        return _profiles[key][:max_tokens]
+    vocab = model.model.embed_tokens.weight.shape[0] if hasattr(model, "model") else 2
+    context = mx.random.randint(0, vocab, (1, 32))
+    costs = []
+    for T in range(1, max_tokens + 1):
+        tokens = mx.random.randint(0, vocab, (1, T))
+        times = []
+        for _ in range(repeats + 1):
+            cache = make_prompt_cache(model)
+            mx.eval(model(context, cache=cache))
+            tic = time.perf_counter()
+            mx.eval(model(tokens, cache=cache))
+            times.append(time.perf_counter() - tic)
+        costs.append(max(min(times[1:]), costs[-1] if costs else 0.0))
+    _profiles[key] = costs
+    return costs
+
+
+class DraftLengthPolicy:
+    """Online choice of the number of drafts per verify pass."""
+
+    def __init__(self, verify_costs: List[float], max_draft: int = MAX_AUTO_DRAFT):
+        self.verify_costs = list(verify_costs)  # seconds, index 0 = 1 token
+        self.max_draft = min(max_draft, len(self.verify_costs) - 1)
+        self.accepted = [0.0] * self.max_draft  # decayed counts per position
+        self.drafted = [0.0] * self.max_draft
+        self.draft_cost = 0.0  # seconds per drafted token (measured)
+        self.passes_at_zero = 0
+        self.last_choice = 0
+
+    def acceptance(self) -> List[float]:
+        """Estimated conditional acceptance a_i per draft position.
+
+        A position with little evidence borrows the estimate of the one before
+        it (acceptance changes slowly with depth), so a deeper draft is tried
+        once shallower drafts prove reliable.
+        """
+        rates, prior = [], _PRIOR
+        for a, d in zip(self.accepted, self.drafted):
+            prior = (a + prior * _PRIOR_WEIGHT) / (d + _PRIOR_WEIGHT)
+            rates.append(prior)
+        return rates
+
+    def expected_speed(self, k: int) -> float:
+        """Expected tokens per second with ``k`` drafts."""
+        tokens, survive = 1.0, 1.0
+        for a in self.acceptance()[:k]:
+            survive *= a
+            tokens += survive
+        return tokens / (self.verify_costs[k] + k * self.draft_cost)
+
+    def choose(self, limit: int) -> int:
+        """Drafts for the next pass, at most ``limit``."""
+        limit = min(limit, self.max_draft)
+        best = max(range(limit + 1), key=self.expected_speed)
+        if best == 0 and limit > 0:
+            self.passes_at_zero += 1
+            if self.passes_at_zero % _PROBE_EVERY == 0:
+                best = 1  # re-probe: acceptance may have changed
+        else:
+            self.passes_at_zero = 0
+        self.last_choice = best
+        return best
+
+    def update(
+        self, n_drafted: int, n_accepted: int, draft_seconds: Optional[float] = None
+    ):
+        """Record a verify pass: ``n_accepted`` of ``n_drafted`` drafts kept."""
+        if n_drafted == 0:
+            return
+        for i in range(self.max_draft):
+            self.accepted[i] *= _DECAY
+            self.drafted[i] *= _DECAY
+        # Position i was tested only if drafts 0..i-1 were all accepted.
+        for i in range(min(n_accepted + 1, n_drafted, self.max_draft)):
+            self.drafted[i] += 1
+            self.accepted[i] += i < n_accepted
+        if draft_seconds is not None:
+            per_token = draft_seconds / n_drafted
+            self.draft_cost = 0.8 * self.draft_cost + 0.2 * per_token

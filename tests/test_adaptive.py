@@ -1,0 +1,72 @@
+"""Adaptive draft length (``num_draft_tokens="auto"``)."""
+
+import mlx.core as mx
+
+import mlx_spec
+from conftest import OracleDrafter, prompts, reference_tokens, spec_tokens
+from mlx_spec.adaptive import DraftLengthPolicy, verify_cost_profile
+
+
+def test_never_accepted_drafts_switch_speculation_off():
+    policy = DraftLengthPolicy([1 + 0.05 * t for t in range(9)])
+    choices = []
+    for _ in range(64):
+        k = policy.choose(8)
+        choices.append(k)
+        policy.update(k, 0)
+    # After a few passes of evidence only the periodic one-draft probes remain.
+    assert set(choices[16:]) <= {0, 1}
+    assert choices[16:].count(1) <= len(choices[16:]) // 16 + 1
+
+
+def test_always_accepted_drafts_use_the_longest_useful_draft():
+    policy = DraftLengthPolicy([1.0] * 9)  # a verify costs the same for any T
+    for _ in range(20):
+        policy.update(policy.choose(8), policy.last_choice)
+    assert policy.choose(8) == 8
+    assert policy.choose(3) == 3  # the limit (tokens left) is respected
+
+
+def test_costly_verify_needs_high_acceptance():
+    costs = [float(t) for t in range(1, 10)]  # a T-token verify costs T steps
+    policy = DraftLengthPolicy(costs)
+    for _ in range(40):
+        k = max(policy.choose(8), 1)
+        policy.update(k, k - 1)  # most but not all drafts accepted
+    # E(k) < 1 + k whenever some draft fails, so nothing beats plain decoding.
+    assert policy.choose(8) == 0
+
+
+def test_auto_is_lossless_and_picks_zero_for_useless_drafts(models):
+    model, tok = models["qwen3_next"]
+    prompt = prompts("mixed")
+    ref = reference_tokens(model, tok, prompt, 60)
+    stats = mlx_spec.SpecStats()
+    bad = OracleDrafter(prompt + ref, error=1.0)  # every draft token is wrong
+    out = spec_tokens(
+        model, tok, prompt, 60, draft=bad, num_draft_tokens="auto", stats=stats
+    )
+    assert out == ref
+    assert stats.accepted == 0
+    # Nearly every pass is plain: only the first (prior-driven) and probe passes draft.
+    assert stats.drafted_at[0] <= 12 and stats.verify_passes >= 50
+
+
+def test_auto_uses_drafts_that_are_right(models):
+    model, tok = models["qwen3_5"]
+    prompt = prompts("mixed")
+    ref = reference_tokens(model, tok, prompt, 60)
+    stats = mlx_spec.SpecStats()
+    good = OracleDrafter(prompt + ref, error=0.0)
+    out = spec_tokens(
+        model, tok, prompt, 60, draft=good, num_draft_tokens="auto", stats=stats
+    )
+    assert out == ref
+    assert stats.tokens_per_pass > 2
+
+
+def test_verify_cost_profile_is_cached_and_positive(models):
+    model, _ = models["qwen3_5_moe"]
+    costs = verify_cost_profile(model, 4, repeats=1)
+    assert len(costs) == 4 and all(c > 0 for c in costs)
+    assert verify_cost_profile(model, 4) == costs
