@@ -1,8 +1,9 @@
 """Adaptive draft length (``num_draft_tokens="auto"``)."""
 
-import mlx.core as mx
+import pytest
 
 import mlx_spec
+import mlx_spec.adaptive as adaptive
 from conftest import OracleDrafter, prompts, reference_tokens, spec_tokens
 from mlx_spec.adaptive import DraftLengthPolicy, verify_cost_profile
 
@@ -37,23 +38,39 @@ def test_costly_verify_needs_high_acceptance():
     assert policy.choose(8) == 0
 
 
-def test_auto_is_lossless_and_picks_zero_for_useless_drafts(models):
+@pytest.fixture
+def gpu_like_costs(monkeypatch):
+    """Pin the verify-cost profile (a T-token verify costs 1 + 0.05 (T-1) steps,
+    the shape of a memory-bound GPU decode) so decisions do not depend on how
+    busy this machine is while the profile is measured."""
+
+    def pin(model):
+        costs = [1e-3 * (1 + 0.05 * t) for t in range(adaptive.MAX_AUTO_DRAFT + 1)]
+        monkeypatch.setitem(adaptive._profiles, id(model), costs)
+
+    return pin
+
+
+def test_auto_is_lossless_and_picks_zero_for_useless_drafts(models, gpu_like_costs):
     model, tok = models["qwen3_next"]
+    gpu_like_costs(model)
     prompt = prompts("mixed")
-    ref = reference_tokens(model, tok, prompt, 60)
+    ref = reference_tokens(model, tok, prompt, 160)
     stats = mlx_spec.SpecStats()
     bad = OracleDrafter(prompt + ref, error=1.0)  # every draft token is wrong
     out = spec_tokens(
-        model, tok, prompt, 60, draft=bad, num_draft_tokens="auto", stats=stats
+        model, tok, prompt, 160, draft=bad, num_draft_tokens="auto", stats=stats
     )
     assert out == ref
-    assert stats.accepted == 0
-    # Nearly every pass is plain: only the first (prior-driven) and probe passes draft.
-    assert stats.drafted_at[0] <= 12 and stats.verify_passes >= 50
+    assert stats.accepted == 0 and stats.verify_passes == 160
+    # Only the first passes (while the prior still hopes) and the periodic
+    # one-draft probes draft anything: k = 0 everywhere else.
+    assert stats.drafted <= 15 + 160 // 16  # vs >= 160 if it kept drafting
 
 
-def test_auto_uses_drafts_that_are_right(models):
+def test_auto_uses_drafts_that_are_right(models, gpu_like_costs):
     model, tok = models["qwen3_5"]
+    gpu_like_costs(model)
     prompt = prompts("mixed")
     ref = reference_tokens(model, tok, prompt, 60)
     stats = mlx_spec.SpecStats()
@@ -62,7 +79,7 @@ def test_auto_uses_drafts_that_are_right(models):
         model, tok, prompt, 60, draft=good, num_draft_tokens="auto", stats=stats
     )
     assert out == ref
-    assert stats.tokens_per_pass > 2
+    assert stats.tokens_per_pass > 4
 
 
 def test_verify_cost_profile_is_cached_and_positive(models):
