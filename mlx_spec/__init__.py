@@ -2,7 +2,7 @@
 
 from .generate import generate, stream_generate
 from .loading import load
-from .verify import SpecStats
+from .stats import SpecStats
 
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate", "SpecStats"]

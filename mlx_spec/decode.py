@@ -10,7 +10,8 @@ from .state import SpeculativeCache
 from .target import Target
 from .adaptive import MAX_AUTO_DRAFT, DraftLengthPolicy, verify_cost_profile
 from .sampling import make_sampler
-from .verify import SpecStats, verify_draft
+from .stats import PhaseClock, SpecStats
+from .verify import verify_draft
 
 MAX_DRAFT_TOKENS = 16
 
@@ -52,6 +53,7 @@ def speculative_generate_step(
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     rollback: str = "store",
     stats: Optional[SpecStats] = None,
+    timing: bool = False,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield ``(token, logprobs [V], from_draft)`` like mlx-lm's ``generate_step``.
 
@@ -59,7 +61,8 @@ def speculative_generate_step(
     tokens (``"auto"``: chosen per pass by :class:`DraftLengthPolicy`),
     verifies ``[last, *draft]`` in one target pass, keeps the longest prefix
     the target agrees with plus the target's own next token, and rolls every
-    cache back to that prefix.
+    cache back to that prefix. ``timing`` fills ``stats.phases`` (at the cost
+    of extra synchronisations).
     """
     policy = None
     if num_draft_tokens == "auto":
@@ -87,27 +90,30 @@ def speculative_generate_step(
     if drafter is not None:
         drafter.reset(history, hidden)
 
+    clock = PhaseClock(stats, timing)
     produced = 0
     while max_tokens < 0 or produced < max_tokens:
+        clock.lap("host")
         room = num_draft_tokens if max_tokens < 0 else max_tokens - produced - 1
+        if kv_bits is not None:
+            room = min(room, cache.tokens_before(quantized_kv_start) - 1)
         k = policy.choose(room) if policy else min(num_draft_tokens, room)
-        offset = cache.offset
-        if kv_bits is not None and offset is not None and offset < quantized_kv_start:
-            # Plain decoding quantizes the KV cache once it holds exactly
-            # quantized_kv_start tokens: never verify across that point.
-            k = min(k, quantized_kv_start - offset - 1)
         tic = time.perf_counter()
         draft = drafter.draft(k) if drafter is not None and k > 0 else []
         draft_seconds = time.perf_counter() - tic
+        clock.lap("draft")
 
         cache.begin(1 + len(draft))
         logits, hidden = target.forward(mx.array(history[-1:] + draft))
+        clock.lap("verify", logits, hidden)
         logprobs = _score(logits, history, draft, logits_processors)
         q = getattr(drafter, "draft_probs", None) if draft else None
         n, token = verify_draft(draft, logprobs, sampler, q)  # the one host sync
         emitted = draft[:n] + [token]
+        clock.lap("sampling")
         cache.commit(n + 1)
         quantize()
+        clock.lap("commit", [c.state for c in cache.caches])
 
         stats.record(len(draft), n, len(emitted))
         if policy:

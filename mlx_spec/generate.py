@@ -15,7 +15,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .decode import MAX_DRAFT_TOKENS, speculative_generate_step
 from .drafters import DRAFTS, make_drafter
-from .verify import SpecStats
+from .stats import SpecStats
 
 # Arguments of mlx-lm's generate_step that only plain decoding supports.
 _PLAIN_ONLY = ("max_kv_size", "input_embeddings")

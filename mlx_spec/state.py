@@ -161,6 +161,15 @@ class SpeculativeCache:
         """Tokens in the attention caches (None for a model without any)."""
         return next((c.offset for c in self.trimmable), None)
 
+    def tokens_before(self, position: int) -> float:
+        """Tokens a verify pass may add before the attention caches reach
+        ``position`` (plain decoding quantizes the KV cache exactly there, so a
+        verify pass must not cross it); unlimited once past it."""
+        offset = self.offset
+        if offset is None or offset >= position:
+            return float("inf")
+        return position - offset
+
     @property
     def pool_nbytes(self) -> int:
         """Bytes held by the GDN slot pools (constant once allocated)."""

@@ -125,3 +125,16 @@ def test_logits_processors_and_prefill_chunks(models, family):
     drafter = OracleDrafter(prompt + ref, error=0.3)
     out = spec_tokens(model, tok, prompt, 32, draft=drafter, num_draft_tokens=4, **kw)
     assert out == ref
+
+
+@pytest.mark.parametrize("start", [10, 30])
+def test_kv_quantization_switch_point_is_lossless(models, family, start):
+    """With kv_bits the cache is quantized exactly where plain decoding does it
+    (after the prompt when it is longer than ``start``, else mid-generation)."""
+    model, tok = models[family]
+    prompt = prompts("mixed")
+    kw = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=start)
+    ref = reference_tokens(model, tok, prompt, 30, **kw)
+    drafter = OracleDrafter(prompt + ref, error=0.2)
+    out = spec_tokens(model, tok, prompt, 30, draft=drafter, num_draft_tokens=5, **kw)
+    assert out == ref
