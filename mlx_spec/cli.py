@@ -7,6 +7,7 @@ import sys
 COMMANDS = {
     "generate": "mlx_spec.generate_cli",
     "convert": "mlx_spec.convert",
+    "bench": "mlx_spec.bench",
 }
 
 

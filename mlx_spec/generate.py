@@ -74,6 +74,7 @@ def stream_generate(
     num_draft_tokens="auto",
     max_ngram: int = 3,
     stats: Optional[SpecStats] = None,
+    timing: bool = False,
     **kwargs,
 ):
     """Like ``mlx_lm.stream_generate``, drafting with ``draft`` and verifying.
@@ -125,6 +126,7 @@ def stream_generate(
                 drafter,
                 num_draft_tokens=num_draft_tokens,
                 stats=stats,
+                timing=timing,
                 **kwargs,
             ),
         )

@@ -1,0 +1,310 @@
+"""``mlx_spec bench``: plain mlx-lm decoding against speculative settings, side by side.
+
+For every workload prompt, plain ``mlx_lm.stream_generate`` and each speculative
+setting run in alternation (A B C A B C ...), ``--repeats`` times, in one
+process; medians are reported. One more run per setting with phase timing on
+gives the time split, and the measured verify-cost profile turns the measured
+acceptance into an ideal speedup, so achieved/ideal shows what the machinery
+itself costs.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import sysconfig
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Dict, List
+
+import mlx.core as mx
+from mlx_lm.generate import stream_generate as plain_stream_generate
+
+from .adaptive import verify_cost_profile
+from .demo import default_model_path
+from .drafters import DRAFTS
+from .generate import stream_generate
+from .generate_cli import draft_length
+from .loading import load
+from .stats import SpecStats
+
+KINDS = ("copy", "free", "long")
+
+
+def load_workloads(path=None, kinds=None, tokenizer=None) -> List[dict]:
+    """Workloads from a JSONL file (default: the bundled one)."""
+    if path is None:
+        text = resources.files("mlx_spec").joinpath("data/workloads.jsonl").read_text()
+    else:
+        text = Path(path).read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    rows = [r for r in rows if kinds is None or r["kind"] in kinds]
+    for r in rows:
+        if "stdlib" in r:
+            r["prompt"] = _stdlib_prompt(r, tokenizer)
+    return rows
+
+
+def _stdlib_prompt(row, tokenizer) -> str:
+    """A long prompt: the named standard-library files (of this interpreter),
+    repeated until it holds ``min_prompt_tokens`` tokens, then a new function."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    source = "\n\n".join((root / f).read_text() for f in row["stdlib"])
+    text = source
+    while (
+        tokenizer is not None and len(tokenizer.encode(text)) < row["min_prompt_tokens"]
+    ):
+        text += "\n\n" + source
+    return text + "\n\n\ndef main(argv=None):\n"
+
+
+def blas_in_use() -> str:
+    """Which BLAS MLX's CPU matmuls resolve to in this process."""
+    if platform.system() == "Darwin":
+        return "Accelerate"
+    preload = os.environ.get("LD_PRELOAD", "")
+    if "blas" in preload.lower():
+        return f"preloaded: {preload}"
+    # The Linux mlx[cpu] wheel links the reference (netlib) BLAS it bundles.
+    maps = Path("/proc/self/maps")
+    bundled = maps.exists() and any(
+        "mlx" in line and "libblas" in line for line in maps.read_text().splitlines()
+    )
+    return "reference BLAS bundled with mlx" if bundled else "reference BLAS (assumed)"
+
+
+def machine_info() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "metal": mx.metal.is_available(),
+        "blas": blas_in_use(),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _run_plain(model, tok, prompt, max_tokens):
+    mx.reset_peak_memory()
+    last = None
+    for last in plain_stream_generate(model, tok, prompt, max_tokens=max_tokens):
+        pass
+    return {"tps": last.generation_tps, "tokens": last.generation_tokens}
+
+
+def _run_spec(model, tok, prompt, max_tokens, draft, k, timing=False):
+    mx.reset_peak_memory()
+    stats = SpecStats()
+    last = None
+    for last in stream_generate(
+        model,
+        tok,
+        prompt,
+        max_tokens=max_tokens,
+        draft=draft,
+        num_draft_tokens=k,
+        stats=stats,
+        timing=timing,
+    ):
+        pass
+    return {
+        "tps": last.generation_tps,
+        "tokens": last.generation_tokens,
+        "peak_memory_gb": last.peak_memory,
+        "stats": stats,
+    }
+
+
+def ideal_speedup(stats: SpecStats, costs: List[float]) -> float:
+    """Speedup if a pass cost only its target forward (measured profile)."""
+    work = sum(
+        n * costs[min(T, len(costs)) - 1] / costs[0]
+        for T, n in stats.passes_by_tokens.items()
+    )
+    return stats.generated / work if work else 0.0
+
+
+def summarise(name, kind, plain_runs, spec_runs, timed, costs) -> dict:
+    plain_tps = statistics.median(r["tps"] for r in plain_runs)
+    tps = statistics.median(r["tps"] for r in spec_runs)
+    stats = timed["stats"]
+    passes = max(stats.verify_passes, 1)
+    ph = {p: 1e3 * s / passes for p, s in stats.phases.items()}
+    overhead = ph.get("host", 0.0) + ph.get("sampling", 0.0) + ph.get("commit", 0.0)
+    ideal = ideal_speedup(stats, costs)
+    speedup = tps / plain_tps if plain_tps else 0.0
+    return {
+        "workload": name,
+        "kind": kind,
+        "plain_tps": plain_tps,
+        "tps": tps,
+        "speedup": speedup,
+        "acceptance_per_position": stats.acceptance_per_position,
+        "tokens_per_pass": stats.tokens_per_pass,
+        "phase_ms_per_pass": ph,
+        "host_overhead_ms_per_pass": overhead,
+        "host_overhead_fraction_of_1_token_forward": overhead / (1e3 * costs[0]),
+        "ideal_speedup": ideal,
+        "achieved_over_ideal": speedup / ideal if ideal else 0.0,
+        "peak_memory_gb": max(r["peak_memory_gb"] for r in spec_runs),
+    }
+
+
+def run_bench(model, tok, workloads, settings, repeats, progress=None) -> List[dict]:
+    costs = verify_cost_profile(model)
+    results = []
+    for w in workloads:
+        prompt, max_tokens = w["prompt"], w["max_tokens"]
+        # Warm-up: compile and allocate once per setting before timing.
+        _run_plain(model, tok, prompt, 8)
+        for draft, k in settings:
+            _run_spec(model, tok, prompt, 8, draft, k)
+        plain, spec = [], {s: [] for s in settings}
+        for _ in range(repeats):
+            plain.append(_run_plain(model, tok, prompt, max_tokens))
+            for s in settings:
+                spec[s].append(_run_spec(model, tok, prompt, max_tokens, *s))
+                progress and progress()
+        for s in settings:
+            timed = _run_spec(model, tok, prompt, max_tokens, *s, timing=True)
+            row = summarise(w["name"], w["kind"], plain, spec[s], timed, costs)
+            row.update(draft=s[0], num_draft_tokens=s[1])
+            results.append(row)
+    return results
+
+
+def format_table(results: List[dict]) -> str:
+    head = (
+        f"{'workload':<14} {'draft':<10} {'k':>4} {'plain':>7} {'spec':>7} "
+        f"{'speedup':>7} {'tok/pass':>8} {'ideal':>6} {'ach/id':>6} "
+        f"{'host ms':>7} {'acceptance per position'}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"][:8])
+        lines.append(
+            f"{r['workload']:<14} {r['draft']:<10} {str(r['num_draft_tokens']):>4} "
+            f"{r['plain_tps']:>7.1f} {r['tps']:>7.1f} {r['speedup']:>6.2f}x "
+            f"{r['tokens_per_pass']:>8.2f} {r['ideal_speedup']:>5.2f}x "
+            f"{r['achieved_over_ideal']:>6.2f} {r['host_overhead_ms_per_pass']:>7.2f} {acc}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: List[dict], path: str):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib: pip install 'mlx-spec[plot]'") from e
+    fig, ax = plt.subplots(figsize=(7, 4))
+    keyed: Dict[tuple, list] = {}
+    for r in results:
+        if isinstance(r["num_draft_tokens"], int):
+            keyed.setdefault((r["workload"], r["draft"]), []).append(r)
+    for (workload, draft), rows in sorted(keyed.items()):
+        rows.sort(key=lambda r: r["num_draft_tokens"])
+        ax.plot(
+            [r["num_draft_tokens"] for r in rows],
+            [r["speedup"] for r in rows],
+            marker="o",
+            label=f"{workload} / {draft}",
+        )
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("draft length k")
+    ax.set_ylabel("speedup vs plain mlx-lm")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def setup_parser():
+    p = argparse.ArgumentParser(
+        prog="mlx_spec bench", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--model", help="Model directory (default: the bundled demo model).")
+    p.add_argument(
+        "--draft",
+        nargs="+",
+        default=["ngram", "mtp"],
+        choices=[d for d in DRAFTS if d != "none"],
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        nargs="+",
+        type=draft_length,
+        default=["auto"],
+        help="Draft lengths to compare (integers and/or 'auto').",
+    )
+    p.add_argument(
+        "--workload", nargs="+", choices=KINDS, help="Workload kinds (default: all)."
+    )
+    p.add_argument(
+        "--workloads-file", help="A JSONL file of workloads instead of the bundled one."
+    )
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--max-tokens", type=int, help="Override every workload's max_tokens."
+    )
+    p.add_argument("--json", help="Write the results and machine facts to this file.")
+    p.add_argument(
+        "--plot", help="Write a PNG of speedup versus draft length (needs matplotlib)."
+    )
+    return p
+
+
+def main(argv=None):
+    args = setup_parser().parse_args(argv)
+    if args.repeats < 1:
+        print(
+            f"mlx_spec bench: --repeats must be >= 1, got {args.repeats}",
+            file=sys.stderr,
+        )
+        return 2
+    model, tok = load(args.model or default_model_path())
+    workloads = load_workloads(args.workloads_file, args.workload, tok)
+    if args.max_tokens:
+        for w in workloads:
+            w["max_tokens"] = args.max_tokens
+    settings = [(d, k) for d in args.draft for k in args.num_draft_tokens]
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=len(workloads) * len(settings) * args.repeats,
+        desc="bench",
+        file=sys.stderr,
+    )
+    tic = time.perf_counter()
+    try:
+        results = run_bench(model, tok, workloads, settings, args.repeats, bar.update)
+    except ValueError as e:
+        print(f"mlx_spec bench: {e}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+    print(format_table(results))
+    info = machine_info()
+    print(
+        f"\n{info['device']}, MLX {info['mlx']}, BLAS: {info['blas']}, "
+        f"{time.perf_counter() - tic:.0f} s"
+    )
+    if args.json:
+        out = {
+            "machine": info,
+            "model": str(args.model or default_model_path()),
+            "repeats": args.repeats,
+            "verify_cost_profile_s": verify_cost_profile(model),
+            "results": results,
+        }
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
