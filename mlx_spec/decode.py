@@ -1,16 +1,16 @@
 """The speculative decode loop: draft, verify once, keep the agreed prefix."""
 
 import time
-from typing import Any, Callable, Generator, List, Optional, Tuple, Union
+from typing import Any, Callable, Collection, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 
-from .state import SpeculativeCache
-from .target import Target
 from .adaptive import MAX_AUTO_DRAFT, DraftLengthPolicy, verify_cost_profile
 from .sampling import make_sampler
+from .state import SpeculativeCache
 from .stats import PhaseClock, SpecStats
+from .target import Target
 from .verify import verify_draft
 
 MAX_DRAFT_TOKENS = 16
@@ -36,6 +36,148 @@ def _score(
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+class SpeculativeDecoder:
+    """Target caches, drafter and token history, advanced one verify pass at a time.
+
+    It outlives a generation: ``feed`` appends new tokens (a first prompt, or a
+    later chat turn) with one prefill, so the target's KV/GDN state, the
+    drafter's state (n-gram index, MTP cache) and the history carry over.
+    Usually the last token of the history is *pending*: known but not yet
+    processed by the target (the first input of the next verify pass or
+    prefill). ``flush`` processes it, which leaves the caches exactly as plain
+    decoding of the same history does.
+    """
+
+    def __init__(
+        self,
+        model,
+        drafter=None,
+        max_draft: int = MAX_AUTO_DRAFT,
+        rollback: str = "store",
+        prompt_cache: Optional[List[Any]] = None,
+        prefill_step_size: int = 2048,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+        stats: Optional[SpecStats] = None,
+    ):
+        self.model, self.drafter, self.max_draft = model, drafter, max_draft
+        self.cache = SpeculativeCache(model, max_draft, rollback, caches=prompt_cache)
+        self.target = Target(model, self.cache)
+        self.prefill_step_size = prefill_step_size
+        self.kv = (kv_bits, kv_group_size, quantized_kv_start)
+        self.stats = SpecStats() if stats is None else stats
+        self.history: List[int] = []
+        self.processed = 0  # history[:processed] is in the target's caches
+        self.last_hidden = None  # [1, H]: hidden of history[-1] once processed
+        self.drafted, self.draft_seconds = 0, 0.0
+
+    def _quantize(self):
+        kv_bits, group_size, start = self.kv
+        maybe_quantize_kv_cache(self.cache.caches, start, group_size, kv_bits)
+
+    @property
+    def pending(self) -> List[int]:
+        return self.history[self.processed :]
+
+    def feed(self, tokens: List[int], progress=None):
+        """Append ``tokens`` (non-empty): the target prefills the pending token
+        and all new tokens but the last, which becomes pending."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("cannot feed an empty list of tokens")
+        inputs = self.pending + tokens[:-1]
+        keep = getattr(self.drafter, "needs_hidden", False)
+        hidden = self.target.prefill(
+            mx.array(inputs, mx.uint32),
+            self.prefill_step_size,
+            progress or (lambda n: None),
+            self._quantize,
+            keep_hidden=keep,
+        )
+        if self.drafter is not None:
+            if not self.history:
+                self.drafter.reset(tokens, hidden)
+            else:  # row i: the hidden state of the token before tokens[i]
+                if not self.pending and keep:
+                    parts = [self.last_hidden] + ([] if hidden is None else [hidden])
+                    hidden = mx.concatenate(parts)
+                self.drafter.accept(tokens, hidden)
+        self.history += tokens
+        self.processed = len(self.history) - 1
+
+    def flush(self):
+        """Process the pending token: the caches then equal plain decoding's."""
+        if self.pending:
+            self.last_hidden = self.target.hidden(mx.array(self.pending, mx.uint32))
+            mx.eval([c.state for c in self.cache.caches])
+            self.processed = len(self.history)
+
+    def draft_room(self) -> float:
+        """Most drafts the next pass may verify (the KV quantization point)."""
+        kv_bits, _, start = self.kv
+        if kv_bits is None:
+            return self.max_draft
+        return min(self.max_draft, self.cache.tokens_before(start) - 1)
+
+    def step(
+        self,
+        k: int,
+        sampler,
+        processors=None,
+        history: Optional[List[int]] = None,
+        stop_tokens: Collection[int] = (),
+        clock: Optional[PhaseClock] = None,
+    ) -> Tuple[List[int], mx.array, int]:
+        """One verify pass with up to ``k`` drafts.
+
+        Returns ``(emitted, logprobs [T, V], n_accepted)``: the accepted
+        drafts and the target's next token. A stop token among them ends the
+        list there, and the state is left exactly as plain decoding leaves it
+        after emitting that token. ``history`` (default: the whole history) is
+        what logits processors see.
+        """
+        if not self.pending:
+            raise ValueError("nothing to decode from: feed tokens first")
+        clock = clock or PhaseClock(self.stats)
+        tic = time.perf_counter()
+        draft = self.drafter.draft(k) if self.drafter is not None and k > 0 else []
+        self.drafted, self.draft_seconds = len(draft), time.perf_counter() - tic
+        clock.lap("draft")
+
+        self.cache.begin(1 + len(draft))
+        logits, hidden = self.target.forward(mx.array(self.history[-1:] + draft))
+        clock.lap("verify", logits, hidden)
+        seen = self.history if history is None else history
+        logprobs = _score(logits, seen, draft, processors)
+        q = getattr(self.drafter, "draft_probs", None) if draft else None
+        n, token = verify_draft(draft, logprobs, sampler, q)  # the one host sync
+        emitted = draft[:n] + [token]
+        clock.lap("sampling")
+
+        stop = next((i for i, t in enumerate(emitted) if t in stop_tokens), None)
+        through_stop = stop is not None and stop < n
+        if through_stop:
+            # The stop token is an accepted draft, so the target has already
+            # processed it (as plain decoding has): keep inputs up to it.
+            emitted = emitted[: stop + 1]
+        kept = len(emitted) + through_stop
+        self.cache.commit(kept)
+        self._quantize()
+        clock.lap("commit", [c.state for c in self.cache.caches])
+
+        self.stats.record(len(draft), n, len(emitted))
+        if self.drafter is not None:
+            self.drafter.accept(
+                emitted, None if hidden is None else hidden[: len(emitted)]
+            )
+        self.history += emitted
+        self.processed = len(self.history) - (not through_stop)
+        if through_stop and hidden is not None:
+            self.last_hidden = hidden[kept - 1 : kept]
+        return emitted, logprobs, n
+
+
 def speculative_generate_step(
     prompt: mx.array,
     model,
@@ -45,15 +187,12 @@ def speculative_generate_step(
     max_tokens: int = 256,
     sampler: Optional[Callable[[mx.array], mx.array]] = None,
     logits_processors: Optional[List[Callable]] = None,
-    prompt_cache: Optional[List[Any]] = None,
-    prefill_step_size: int = 2048,
-    kv_bits: Optional[int] = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
-    rollback: str = "store",
-    stats: Optional[SpecStats] = None,
+    stop_tokens: Collection[int] = (),
+    decoder: Optional[SpeculativeDecoder] = None,
     timing: bool = False,
+    stats: Optional[SpecStats] = None,
+    **decoder_args,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield ``(token, logprobs [V], from_draft)`` like mlx-lm's ``generate_step``.
 
@@ -61,68 +200,40 @@ def speculative_generate_step(
     tokens (``"auto"``: chosen per pass by :class:`DraftLengthPolicy`),
     verifies ``[last, *draft]`` in one target pass, keeps the longest prefix
     the target agrees with plus the target's own next token, and rolls every
-    cache back to that prefix. ``timing`` fills ``stats.phases`` (at the cost
-    of extra synchronisations).
+    cache back to that prefix. Generation stops after a ``stop_tokens`` token
+    or ``max_tokens`` tokens. ``decoder`` continues an earlier generation
+    (chat); ``timing`` fills ``stats.phases`` (at the cost of extra syncs).
     """
-    policy = None
-    if num_draft_tokens == "auto":
-        policy = DraftLengthPolicy(verify_cost_profile(model))
-        num_draft_tokens = MAX_AUTO_DRAFT
+    auto = num_draft_tokens == "auto"
+    max_draft = MAX_AUTO_DRAFT if auto else num_draft_tokens
+    if decoder is None:
+        decoder = SpeculativeDecoder(
+            model, drafter, max_draft, stats=stats, **decoder_args
+        )
+    policy = DraftLengthPolicy(verify_cost_profile(model)) if auto else None
     sampler = sampler or make_sampler(0.0)
-    stats = SpecStats() if stats is None else stats
-    progress = prompt_progress_callback or (lambda *_: None)
-    cache = SpeculativeCache(model, num_draft_tokens, rollback, caches=prompt_cache)
-    target = Target(model, cache)
+    stats, progress = decoder.stats, prompt_progress_callback or (lambda *_: None)
 
-    history = prompt.tolist()
-    total = len(history)
-    progress(0, total)
-    quantize = lambda: maybe_quantize_kv_cache(  # noqa: E731
-        cache.caches, quantized_kv_start, kv_group_size, kv_bits
-    )
-    hidden = target.prefill(
-        prompt[:-1],
-        prefill_step_size,
-        lambda n: progress(n, total),
-        quantize,
-        keep_hidden=getattr(drafter, "needs_hidden", False),
-    )
-    if drafter is not None:
-        drafter.reset(history, hidden)
-
+    tokens = prompt.tolist()
+    history = list(tokens)  # what logits processors see: this call's tokens
+    progress(0, len(tokens))
+    decoder.feed(tokens, lambda n: progress(n, len(tokens)))
     clock = PhaseClock(stats, timing)
     produced = 0
-    while max_tokens < 0 or produced < max_tokens:
+    while produced < max_tokens:
         clock.lap("host")
-        room = num_draft_tokens if max_tokens < 0 else max_tokens - produced - 1
-        if kv_bits is not None:
-            room = min(room, cache.tokens_before(quantized_kv_start) - 1)
-        k = policy.choose(room) if policy else min(num_draft_tokens, room)
-        tic = time.perf_counter()
-        draft = drafter.draft(k) if drafter is not None and k > 0 else []
-        draft_seconds = time.perf_counter() - tic
-        clock.lap("draft")
-
-        cache.begin(1 + len(draft))
-        logits, hidden = target.forward(mx.array(history[-1:] + draft))
-        clock.lap("verify", logits, hidden)
-        logprobs = _score(logits, history, draft, logits_processors)
-        q = getattr(drafter, "draft_probs", None) if draft else None
-        n, token = verify_draft(draft, logprobs, sampler, q)  # the one host sync
-        emitted = draft[:n] + [token]
-        clock.lap("sampling")
-        cache.commit(n + 1)
-        quantize()
-        clock.lap("commit", [c.state for c in cache.caches])
-
-        stats.record(len(draft), n, len(emitted))
+        room = min(max_draft, max_tokens - produced - 1, decoder.draft_room())
+        k = policy.choose(room) if policy else room
+        emitted, logprobs, n = decoder.step(
+            k, sampler, logits_processors, history, stop_tokens, clock
+        )
         if policy:
-            policy.update(len(draft), n, draft_seconds)
-        if drafter is not None:
-            drafter.accept(emitted, None if hidden is None else hidden[: n + 1])
+            policy.update(decoder.drafted, n, decoder.draft_seconds)
         if produced == 0:
-            progress(total, total)
+            progress(len(tokens), len(tokens))
         for i, token in enumerate(emitted):
             yield token, logprobs[i], i < n
         history += emitted
         produced += len(emitted)
+        if emitted[-1] in stop_tokens:
+            return

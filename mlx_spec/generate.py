@@ -127,6 +127,7 @@ def stream_generate(
                 num_draft_tokens=num_draft_tokens,
                 stats=stats,
                 timing=timing,
+                stop_tokens=tokenizer.eos_token_ids,
                 **kwargs,
             ),
         )

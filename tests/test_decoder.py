@@ -1,0 +1,126 @@
+"""State that carries across generations (chat turns) and stop tokens."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import stream_generate as mlx_stream_generate
+from mlx_lm.models.cache import make_prompt_cache
+
+from conftest import OracleDrafter, prompts
+from mlx_spec.decode import SpeculativeDecoder, speculative_generate_step
+from mlx_spec.drafters import make_drafter
+
+TURNS = [
+    prompts("mixed", seed=1),
+    prompts("random", n=9, seed=2),
+    prompts("repetitive", n=11, seed=3),
+]
+
+
+def _cache_arrays(caches):
+    out = []
+    for c in caches:
+        if hasattr(c, "keys_and_values"):
+            out += list(c.keys_and_values())
+        else:
+            out += list(c.cache)
+    return out
+
+
+def plain_conversation(model, tok, turns, max_tokens):
+    """mlx-lm chat semantics: one prompt cache across turns, each turn's
+    tokens prefilled on top of it."""
+    cache = make_prompt_cache(model)
+    replies = []
+    for turn in turns:
+        replies.append(
+            [
+                r.token
+                for r in mlx_stream_generate(
+                    model,
+                    tok,
+                    mx.array(turn),
+                    max_tokens=max_tokens,
+                    prompt_cache=cache,
+                )
+            ]
+        )
+    return replies, cache
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram", "oracle"])
+def test_turns_match_plain_and_state_is_exact(models, family, drafter_kind):
+    model, tok = models[family]
+    ref, ref_cache = plain_conversation(model, tok, TURNS, 20)
+    eos = ref[1][5]  # a token of the second reply ends generation there
+    tok.eos_token_ids = {eos}
+    try:
+        ref, ref_cache = plain_conversation(model, tok, TURNS, 20)
+    finally:
+        tok.eos_token_ids = {399}
+    assert ref[1][-1] == eos
+
+    sequence = [t for turn, reply in zip(TURNS, ref) for t in turn + reply]
+    drafter = (
+        OracleDrafter(sequence, error=0.2)
+        if drafter_kind == "oracle"
+        else make_drafter("ngram", model)
+    )
+    decoder = SpeculativeDecoder(model, drafter, max_draft=5)
+    out = []
+    for turn in TURNS:
+        steps = speculative_generate_step(
+            mx.array(turn),
+            model,
+            None,
+            decoder=decoder,
+            num_draft_tokens=5,
+            max_tokens=20,
+            stop_tokens={eos},
+        )
+        out.append([t for t, _, _ in steps])
+    assert out == ref
+    # Only each turn's own tokens were prefilled: the history is the conversation.
+    assert decoder.history == sequence
+    decoder.flush()
+    a, b = _cache_arrays(ref_cache), _cache_arrays(decoder.cache.caches)
+    mx.eval(a, b)
+    assert all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+def test_stop_token_inside_accepted_draft_leaves_plain_state(models):
+    model, tok = models["qwen3_5"]
+    prompt = prompts("mixed")
+    ref, ref_cache = plain_conversation(model, tok, [prompt], 30)
+    eos = ref[0][8]
+    tok.eos_token_ids = {eos}
+    try:
+        ref, ref_cache = plain_conversation(model, tok, [prompt], 30)
+    finally:
+        tok.eos_token_ids = {399}
+    decoder = SpeculativeDecoder(model, OracleDrafter(prompt + ref[0] + [1] * 10), 6)
+    steps = list(
+        speculative_generate_step(
+            mx.array(prompt),
+            model,
+            None,
+            decoder=decoder,
+            num_draft_tokens=6,
+            max_tokens=30,
+            stop_tokens={eos},
+        )
+    )
+    assert [t for t, _, _ in steps] == ref[0]
+    assert steps[-1][2], "the stop token was an accepted draft"
+    assert decoder.pending == []  # the target already processed it
+    a, b = _cache_arrays(ref_cache), _cache_arrays(decoder.cache.caches)
+    mx.eval(a, b)
+    assert all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+def test_feed_rejects_empty_and_step_needs_tokens(models):
+    model, _ = models["qwen3_next"]
+    decoder = SpeculativeDecoder(model)
+    with pytest.raises(ValueError, match="empty"):
+        decoder.feed([])
+    with pytest.raises(ValueError, match="feed tokens first"):
+        decoder.step(0, None)
