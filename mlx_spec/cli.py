@@ -7,6 +7,7 @@ import sys
 COMMANDS = {
     "generate": "mlx_spec.generate_cli",
     "convert": "mlx_spec.convert",
+    "chat": "mlx_spec.chat",
     "bench": "mlx_spec.bench",
 }
 

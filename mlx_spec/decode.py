@@ -190,6 +190,7 @@ def speculative_generate_step(
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stop_tokens: Collection[int] = (),
     decoder: Optional[SpeculativeDecoder] = None,
+    should_stop: Callable[[], bool] = lambda: False,
     timing: bool = False,
     stats: Optional[SpecStats] = None,
     **decoder_args,
@@ -201,8 +202,9 @@ def speculative_generate_step(
     verifies ``[last, *draft]`` in one target pass, keeps the longest prefix
     the target agrees with plus the target's own next token, and rolls every
     cache back to that prefix. Generation stops after a ``stop_tokens`` token
-    or ``max_tokens`` tokens. ``decoder`` continues an earlier generation
-    (chat); ``timing`` fills ``stats.phases`` (at the cost of extra syncs).
+    or ``max_tokens`` tokens, or after the pass during which ``should_stop()``
+    became true. ``decoder`` continues an earlier generation (chat);
+    ``timing`` fills ``stats.phases`` (at the cost of extra syncs).
     """
     auto = num_draft_tokens == "auto"
     max_draft = MAX_AUTO_DRAFT if auto else num_draft_tokens
@@ -235,5 +237,5 @@ def speculative_generate_step(
             yield token, logprobs[i], i < n
         history += emitted
         produced += len(emitted)
-        if emitted[-1] in stop_tokens:
+        if emitted[-1] in stop_tokens or should_stop():
             return

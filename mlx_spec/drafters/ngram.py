@@ -38,6 +38,15 @@ class NgramDrafter:
                 self._next[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(int(t))
 
+    @property
+    def state(self) -> list:
+        """Arrays to save with a session: none, the index follows the history."""
+        return []
+
+    def restore(self, history: Sequence[int], arrays=()):
+        """Rebuild the index of a saved session from its token history."""
+        self.reset(history)
+
     def accept(self, tokens: Sequence[int], hidden=None):
         """Record the tokens a verify step emitted."""
         self.extend(tokens)

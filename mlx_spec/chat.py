@@ -1,0 +1,218 @@
+"""``mlx_spec chat``: a terminal chat with speculative decoding.
+
+Across turns only the new tokens are prefilled: the target's KV and GDN state,
+the drafter's state (MTP cache, n-gram index) and the history carry over in one
+:class:`~mlx_spec.decode.SpeculativeDecoder`. Each turn's prompt is built as
+``mlx_lm.chat`` builds it (the chat template applied to the new user message),
+or, for a tokenizer without a chat template, the user's text as a plain
+continuation of the conversation so far.
+
+Ctrl-C during a reply stops it after the current verify pass: the tokens shown
+so far are kept, and the state is consistent (exactly as if generation had
+stopped there). Ctrl-C or Ctrl-D at the prompt exits.
+"""
+
+import argparse
+import signal
+import sys
+import time
+
+import mlx.core as mx
+
+from .decode import SpeculativeDecoder, speculative_generate_step
+from .demo import default_model_path
+from .drafters import DRAFTS, make_drafter
+from .generate import check_options
+from .generate_cli import draft_length
+from .loading import load
+from .prompt_cache import load_session, save_session
+from .sampling import make_sampler
+from .stats import SpecStats
+
+HELP = "Commands: /reset (forget the conversation), /stats, /help, /quit (or Ctrl-D)."
+
+
+class ChatSession:
+    """One conversation: turn prompts, the decoder and per-turn statistics."""
+
+    def __init__(self, model, tokenizer, args):
+        self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.sampler = make_sampler(args.temp, args.top_p, top_k=args.top_k)
+        self.session_stats = SpecStats()
+        self.turn_stats = SpecStats()
+        self.turn_tps = self.session_tokens = self.session_seconds = 0.0
+        self.reset()
+
+    def reset(self):
+        args = self.args
+        drafter = make_drafter(args.draft, self.model, max_ngram=args.max_ngram)
+        max_draft = 8 if args.num_draft_tokens == "auto" else args.num_draft_tokens
+        self.decoder = SpeculativeDecoder(
+            self.model,
+            drafter,
+            max_draft=max(max_draft, 1),
+            prefill_step_size=args.prefill_step_size,
+            stats=self.session_stats,
+        )
+
+    def turn_tokens(self, text: str):
+        tok = self.tokenizer
+        if tok.has_chat_template:
+            messages = [{"role": "user", "content": text}]
+            if self.args.system_prompt is not None:
+                messages.insert(
+                    0, {"role": "system", "content": self.args.system_prompt}
+                )
+            return tok.apply_chat_template(messages, add_generation_prompt=True)
+        # Plain continuation: the user's text follows what was said so far.
+        first = not self.decoder.history
+        if first and self.args.system_prompt:
+            text = self.args.system_prompt + "\n" + text
+        return tok.encode(text if first else "\n" + text, add_special_tokens=first)
+
+    def reply(self, text: str, interrupted=lambda: False):
+        """Yield the reply's text segments; stops early when ``interrupted()``."""
+        tokens = self.turn_tokens(text)
+        before = SpecStats(**vars(self.session_stats))
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        steps = speculative_generate_step(
+            mx.array(tokens),
+            self.model,
+            None,
+            decoder=self.decoder,
+            num_draft_tokens=self.args.num_draft_tokens,
+            max_tokens=self.args.max_tokens,
+            sampler=self.sampler,
+            stop_tokens=self.tokenizer.eos_token_ids,
+            should_stop=interrupted,  # checked between passes: state stays whole
+        )
+        self.prefilled = len(tokens)
+        tic, n = time.perf_counter(), 0
+        for token, _, _ in steps:
+            if n == 0:
+                tic = time.perf_counter()  # generation time excludes the prefill
+            n += 1
+            if token in self.tokenizer.eos_token_ids:
+                break
+            detok.add_token(token)
+            yield detok.last_segment
+        detok.finalize()
+        yield detok.last_segment
+        seconds = time.perf_counter() - tic
+        s = self.session_stats
+        self.turn_stats = SpecStats(
+            verify_passes=s.verify_passes - before.verify_passes,
+            generated=s.generated - before.generated,
+            drafted=s.drafted - before.drafted,
+            accepted=s.accepted - before.accepted,
+        )
+        self.turn_tps = n / seconds if seconds > 0 else 0.0
+        self.session_tokens += n
+        self.session_seconds += seconds
+
+    def stats_text(self) -> str:
+        t, s = self.turn_stats, self.session_stats
+        session_tps = (
+            self.session_tokens / self.session_seconds if self.session_seconds else 0
+        )
+        return (
+            f"last turn: {t.generated} tokens, {self.turn_tps:.1f} tokens/s, "
+            f"{t.accepted}/{t.drafted} drafts accepted ({t.acceptance_rate:.1%}), "
+            f"{t.tokens_per_pass:.2f} tokens per pass, prefilled {self.prefilled} tokens\n"
+            f"session:   {s.generated} tokens, {session_tps:.1f} tokens/s, "
+            f"{s.accepted}/{s.drafted} drafts accepted ({s.acceptance_rate:.1%}), "
+            f"{len(self.decoder.history)} tokens of context\n"
+            f"acceptance per draft position: "
+            + " ".join(f"{a:.2f}" for a in s.acceptance_per_position)
+        )
+
+
+class _Interrupt:
+    """SIGINT during a reply sets a flag that the reply checks between passes."""
+
+    def __init__(self):
+        self.hit = False
+
+    def __enter__(self):
+        self.hit = False
+        self.old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, *_):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.old)
+
+
+def setup_parser():
+    p = argparse.ArgumentParser(
+        prog="mlx_spec chat", description="Chat with speculative decoding."
+    )
+    p.add_argument("--model", help="Model directory (default: the bundled demo model).")
+    p.add_argument("--draft", choices=DRAFTS, default="ngram")
+    p.add_argument("--num-draft-tokens", type=draft_length, default="auto")
+    p.add_argument("--max-ngram", type=int, default=3)
+    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p")
+    p.add_argument("--top-k", type=int, default=0, help="Sampling top-k")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed")
+    p.add_argument("--max-tokens", "-m", type=int, default=256)
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument(
+        "--prompt-cache-file",
+        help="Load the session from this file if it "
+        "exists, and save it there on exit.",
+    )
+    return p
+
+
+def main(argv=None):
+    args = setup_parser().parse_args(argv)
+    try:
+        check_options(args.max_tokens, args.draft, args.num_draft_tokens)
+    except ValueError as e:
+        print(f"mlx_spec chat: {e}", file=sys.stderr)
+        return 2
+    mx.random.seed(args.seed)
+    model_path = args.model or default_model_path()
+    model, tokenizer = load(model_path)
+    chat = ChatSession(model, tokenizer, args)
+    if args.prompt_cache_file:
+        try:
+            load_session(args.prompt_cache_file, chat.decoder, model_path)
+        except FileNotFoundError:
+            pass
+        except ValueError as e:
+            print(f"mlx_spec chat: {e}", file=sys.stderr)
+            return 2
+    print(f"[mlx_spec chat] {model_path} (draft: {args.draft}). {HELP}", flush=True)
+    interrupt = _Interrupt()
+    while True:
+        try:
+            query = input(">> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            break
+        command = query.strip()
+        if command in ("/quit", "/exit", "q"):
+            break
+        if command in ("/reset", "r"):
+            chat.reset()
+            print("[conversation reset]")
+            continue
+        if command in ("/stats",):
+            print(chat.stats_text())
+            continue
+        if command in ("/help", "h"):
+            print(HELP)
+            continue
+        with interrupt:
+            for segment in chat.reply(query, lambda: interrupt.hit):
+                print(segment, end="", flush=True)
+        print("\n[interrupted]" if interrupt.hit else "", flush=True)
+    if args.prompt_cache_file:
+        save_session(args.prompt_cache_file, chat.decoder, model_path)
+    return 0
