@@ -6,7 +6,6 @@ import sys
 import time
 
 import mlx.core as mx
-import pytest
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
