@@ -6,6 +6,7 @@ from typing import Any, Optional, Tuple, Union
 import mlx_lm
 
 from .gdn import make_verifiable
+from .mtp import attach_mtp_head
 
 
 def prepare_model(model):
@@ -20,13 +21,23 @@ def prepare_model(model):
 def load(
     path_or_hf_repo: Union[str, Path],
     tokenizer_config: Optional[dict] = None,
+    mtp_path: Optional[Union[str, Path]] = None,
     **kwargs: Any,
 ) -> Tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` like ``mlx_lm.load``, ready for speculation."""
+    """Load ``(model, tokenizer)`` like ``mlx_lm.load``, ready for speculation.
+
+    For Qwen3-Next / Qwen3.5 the MTP head is attached as ``model.mtp_head``
+    (see :mod:`mlx_spec.mtp.attach`): from ``mtp_path`` (a sidecar written by
+    ``mlx_spec convert``), else the directory's ``mtp.safetensors``, else the
+    ``mtp.*`` tensors of a raw checkpoint; None when there are none.
+    """
     path = Path(path_or_hf_repo)
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if mtp_path is not None and not Path(mtp_path).exists():
+        raise FileNotFoundError(f"MTP path {str(mtp_path)!r} does not exist")
     model, tokenizer = mlx_lm.load(
         str(path), tokenizer_config=tokenizer_config, **kwargs
     )
+    attach_mtp_head(model, path, mtp_path=mtp_path, lazy=kwargs.get("lazy", False))
     return prepare_model(model), tokenizer

@@ -7,7 +7,7 @@ hidden states for the verified positions).
 
 from .ngram import NgramDrafter
 
-DRAFTS = ("none", "ngram")
+DRAFTS = ("none", "ngram", "mtp", "mtp+ngram")
 
 
 def make_drafter(draft: str, model=None, max_ngram: int = 3):
@@ -16,4 +16,15 @@ def make_drafter(draft: str, model=None, max_ngram: int = 3):
         raise ValueError(f"unknown draft {draft!r}; choose one of {', '.join(DRAFTS)}")
     if draft == "ngram":
         return NgramDrafter(max_ngram=max_ngram)
+    if draft in ("mtp", "mtp+ngram"):
+        # The head comes from mlx_spec.load (model.mtp_head); the error for a
+        # model without one says which command writes it.
+        from ..mtp import mtp_head_of
+        from .combined import MTPNgramDrafter
+        from .mtp import MTPDrafter
+
+        head = mtp_head_of(model)
+        if draft == "mtp":
+            return MTPDrafter(head)
+        return MTPNgramDrafter(head, max_ngram=max_ngram)
     return None

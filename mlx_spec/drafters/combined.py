@@ -1,0 +1,133 @@
+"""``mtp+ngram``: prompt-lookup drafts where the text repeats, MTP drafts elsewhere.
+
+Both drafters see every ``reset`` / ``accept``, so each stays consistent
+whichever one drafted: the MTP cache gets its rows from the target's verified
+hidden states in ``accept`` either way, and an n-gram step adds no draft-time
+MTP rows (nothing to trim).
+
+Each step has at most one candidate copy (the n-gram draft) and the MTP head's
+next token d_1 (free: computed by the last ``accept``). Rules (``rule=``),
+measured by ``scripts/bench_mtp_ngram.py``:
+
+- ``"adaptive"`` (default): when there is a copy, draft with MTP too. Equal
+  drafts: the MTP one. Otherwise, at their first difference j the verify
+  settles who was right whenever the target gets that far: ``emitted[j]`` is
+  the target's token there, whichever draft was used (an accepted token or
+  the correction). A decayed score of those wins picks the source at the
+  next difference (ties: the copy for a full ``max_ngram`` match). So it
+  learns within a generation whether the head or the copy is more reliable,
+  at every depth; the price is k - 1 head steps on copy steps too.
+- ``"agree"``: copy only when d_1 agrees, else MTP.
+- ``"agree_or_long"``: copy when d_1 agrees or the match is a full
+  ``max_ngram``-gram, else MTP.
+- ``"long"``: copy for a full ``max_ngram``-gram match, else MTP.
+- ``"ngram_first"``: copy whenever there is one, else MTP.
+"""
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+from .mtp import MTPDrafter
+from .ngram import MIN_NGRAM, NgramDrafter
+
+RULES = ("adaptive", "agree", "agree_or_long", "long", "ngram_first")
+DECAY = 0.8  # weight of older disagreements in the adaptive score
+
+
+def match_length(ngram: NgramDrafter) -> int:
+    """Length of the longest history suffix that occurred before (0: none)."""
+    seq = ngram.tokens
+    L = len(seq)
+    for n in range(min(ngram.max_ngram, L), MIN_NGRAM - 1, -1):
+        if tuple(seq[L - n :]) in ngram._next:
+            return n
+    return 0
+
+
+class MTPNgramDrafter:
+    """Chooses per step between an n-gram draft and an MTP draft (see ``rule``)."""
+
+    name = "mtp+ngram"
+    needs_hidden = True
+
+    def __init__(self, head, max_ngram: int = 3, rule: str = "adaptive"):
+        if rule not in RULES:
+            raise ValueError(f"unknown rule {rule!r}; choose one of {RULES}")
+        self.mtp = MTPDrafter(head)
+        self.ngram = NgramDrafter(max_ngram=max_ngram)
+        self.rule = rule
+        self.last_draft_source: Optional[str] = None
+        self.steps = {"mtp": 0, "ngram": 0}
+        self.score = {"mtp": 0.0, "ngram": 0.0}
+        self._divergence = None  # (j, copy[j], mtp[j]): first difference
+
+    @property
+    def last_draft_logits(self) -> Optional[mx.array]:
+        """MTP logits [m, V] of the last draft; None for an n-gram draft."""
+        if self.last_draft_source != "mtp":
+            return None
+        return self.mtp.last_draft_logits
+
+    def reset(self, prompt_tokens: Sequence[int], hidden=None):
+        self.mtp.reset(prompt_tokens, hidden)
+        self.ngram.reset(prompt_tokens)
+        self.last_draft_source = None
+        self.score = {"mtp": 0.0, "ngram": 0.0}
+        self._divergence = None
+
+    def _use_ngram(self, copy: List[int]) -> bool:
+        """Fixed rules: copy or MTP, decided before drafting with MTP."""
+        if not copy:
+            return False
+        # No MTP row yet (one-token prompt): the copy is the only draft.
+        if self.rule == "ngram_first" or self.mtp._logits is None:
+            return True
+        long = match_length(self.ngram) >= self.ngram.max_ngram
+        if self.rule == "long" or (self.rule == "agree_or_long" and long):
+            return long
+        return int(mx.argmax(self.mtp._logits).item()) == copy[0]
+
+    def _adaptive(self, copy: List[int], k: int) -> List[int]:
+        """Both drafts; at their first difference, the source with the better record."""
+        ours = self.mtp.draft(k)
+        j = next((i for i, (a, b) in enumerate(zip(copy, ours)) if a != b), None)
+        if j is None:
+            return ours
+        self._divergence = (j, copy[j], ours[j])
+        if self.score["ngram"] != self.score["mtp"]:
+            take_copy = self.score["ngram"] > self.score["mtp"]
+        else:
+            take_copy = match_length(self.ngram) >= self.ngram.max_ngram
+        return copy if take_copy else ours
+
+    def draft(self, k: int) -> List[int]:
+        if not isinstance(k, int) or not 1 <= k <= self.mtp.max_draft:
+            raise ValueError(
+                f"MTP drafts 1..{self.mtp.max_draft} tokens per step, got k={k!r}"
+            )
+        self._divergence = None
+        copy = self.ngram.draft(k)
+        if self.rule == "adaptive" and copy and self.mtp._logits is not None:
+            out = self._adaptive(copy, k)
+        elif self._use_ngram(copy):
+            out = copy
+        else:
+            out = self.mtp.draft(k)
+        source = "ngram" if out is copy else "mtp"
+        self.last_draft_source = source if out else None
+        self.steps[source] += bool(out)
+        return out
+
+    def accept(self, emitted: Sequence[int], hidden=None):
+        if self._divergence is not None:
+            j, guesses = self._divergence[0], self._divergence[1:]
+            # Both drafts share tokens < j, so the target reached position j
+            # iff it accepted j tokens; emitted[j] is then its token there.
+            if len(emitted) > j:
+                for source, guess in zip(("ngram", "mtp"), guesses):
+                    hit = guess == emitted[j]
+                    self.score[source] = DECAY * self.score[source] + hit
+            self._divergence = None
+        self.mtp.accept(emitted, hidden)
+        self.ngram.accept(emitted)

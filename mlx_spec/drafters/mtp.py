@@ -1,0 +1,131 @@
+"""MTP drafting: the target's own multi-token-prediction head proposes tokens.
+
+Shift-by-one (docs/MTP_FACTS.md section 4): the MTP row at position p combines
+``(token_{p+1}, h_p)``, h_p being the target's post-final-norm hidden state of
+the token at p. The head's KV cache holds exactly one row per position the
+target has verified:
+
+- ``reset``: the target prefilled x_0..x_{N-2} (h_0..h_{N-2}); rows
+  ``(x_1, h_0) .. (x_{N-1}, h_{N-2})`` at positions 0..N-2. The last row's
+  logits give d_1 (the token after the pending x_{N-1}).
+- ``draft(k)``: d_1 comes from the stored logits; step j > 1 runs one row
+  ``(d_{j-1}, hm_{j-1})`` (hm: the head's own post-``mtp.norm`` state), so a
+  draft of k tokens adds k - 1 draft-time rows.
+- ``accept(emitted, hidden)``: trim the draft-time rows, then append the rows
+  ``(emitted[i], hidden[i])`` for i = 0..n in one batched forward, from the
+  target's fresh hidden states; the last row gives the next d_1.
+"""
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+MAX_MTP_DRAFT = 8
+PREFILL_CHUNK = 2048
+
+
+class MTPDrafter:
+    """Greedy drafting with an :class:`~mlx_spec.mtp.MTPHead`.
+
+    ``last_draft_logits`` [m, V]: the head's logits that produced each of the
+    m tokens of the last draft (row i -> d_{i+1}), kept for rejection sampling.
+    """
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, head, max_draft: int = MAX_MTP_DRAFT):
+        if not 1 <= max_draft <= MAX_MTP_DRAFT:
+            raise ValueError(
+                f"max_draft must be in 1..{MAX_MTP_DRAFT}, got {max_draft}"
+            )
+        self.head = head
+        self.max_draft = max_draft
+        self.cache = None
+        self.last_draft_logits: Optional[mx.array] = None
+        self._logits = None  # [V]: the head's logits for d_1 of the next draft
+        self._hm = None  # [1, 1, H]: its post-norm hidden (input of step 2)
+        self._draft_rows = 0  # draft-time rows in the cache, trimmed on accept
+        self.verified = 0  # rows of verified positions in the cache
+
+    @property
+    def offset(self) -> int:
+        return self.cache[0].offset
+
+    def _rows(self, tokens: mx.array, hidden: mx.array):
+        """Append verified rows. tokens: [L]; hidden: [L, H]. Keeps the last row."""
+        hm = self.head.hidden(tokens[None], hidden[None], self.cache)  # [1, L, H]
+        self._hm = hm[:, -1:]
+        self._logits = self.head.logits(self._hm)[0, 0]
+        self.verified += tokens.size
+
+    def reset(self, prompt_tokens: Sequence[int], hidden: Optional[mx.array]):
+        """prompt_tokens: [N]; hidden: [N-1, H] for x_0..x_{N-2} (None if N == 1)."""
+        self.cache = self.head.make_cache()
+        self.last_draft_logits = None
+        self._logits = self._hm = None
+        self._draft_rows = self.verified = 0
+        n = len(prompt_tokens) - 1
+        if n == 0:
+            return  # no row yet: the first step drafts nothing
+        if hidden is None:
+            raise ValueError(
+                "MTP drafting needs the target's hidden states; this target "
+                "does not expose them"
+            )
+        if hidden.shape[0] != n:
+            raise ValueError(
+                f"reset: {hidden.shape[0]} hidden states for a prompt of "
+                f"{len(prompt_tokens)} tokens (expected {n})"
+            )
+        tokens = mx.array(list(prompt_tokens[1:]), dtype=mx.uint32)
+        for start in range(0, n, PREFILL_CHUNK):
+            stop = min(n, start + PREFILL_CHUNK)
+            self._rows(tokens[start:stop], hidden[start:stop])
+            if stop < n:
+                mx.eval([c.state for c in self.cache])
+
+    def draft(self, k: int) -> List[int]:
+        """Up to ``k`` (1..8) greedy tokens after the pending token."""
+        if not isinstance(k, int) or not 1 <= k <= self.max_draft:
+            raise ValueError(
+                f"MTP drafts 1..{self.max_draft} tokens per step, got k={k!r}"
+            )
+        if self._draft_rows:
+            raise RuntimeError("draft() called twice without accept()")
+        if self._logits is None:
+            self.last_draft_logits = None
+            return []
+        logits, hm = self._logits, self._hm
+        rows = [logits]
+        tokens = [mx.argmax(logits)]
+        for _ in range(k - 1):
+            # Lazy chain: the argmax feeds the next embedding without a sync.
+            hm = self.head.hidden(tokens[-1].reshape(1, 1), hm, self.cache)
+            logits = self.head.logits(hm)[0, 0]
+            rows.append(logits)
+            tokens.append(mx.argmax(logits))
+        self._draft_rows = k - 1
+        self.last_draft_logits = mx.stack(rows)
+        tokens = mx.stack(tokens)
+        mx.eval(tokens, self.last_draft_logits)
+        return tokens.tolist()
+
+    def discard_draft(self):
+        """Drop the draft-time rows (the caller verifies some other draft)."""
+        if self._draft_rows:
+            for c in self.cache:
+                c.trim(self._draft_rows)
+            self._draft_rows = 0
+
+    def accept(self, emitted: Sequence[int], hidden: Optional[mx.array]):
+        """emitted: d_1..d_n + [c]; hidden: [n+1, H] for pending, d_1..d_n."""
+        self.discard_draft()
+        if hidden is None:
+            raise ValueError("MTP drafting needs the target's hidden states")
+        if hidden.shape[0] != len(emitted):
+            raise ValueError(
+                f"accept: {hidden.shape[0]} hidden states for {len(emitted)} tokens"
+            )
+        assert self.offset == self.verified, "MTP cache out of step with the target"
+        self._rows(mx.array(list(emitted), dtype=mx.uint32), hidden)

@@ -1,0 +1,200 @@
+"""The MTP (multi-token prediction) head of Qwen3-Next / Qwen3.5 as an MLX module.
+
+One step (see docs/MTP_FACTS.md section 1)::
+
+    e  = target.embed_tokens(t)                          # shared, not copied
+    x  = fc(concat([pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]))
+    x  = layer(x)       # gated attention (own KV cache) + MoE or dense SwiGLU
+    hm = norm(x)
+    logits = target.lm_head(hm)                          # shared, tied or not
+
+The decoder layer is built from mlx-lm's own blocks (``Qwen3NextAttention``,
+``Qwen3NextSparseMoeBlock`` / ``SwitchGLU``, ``Qwen3NextMLP``) with the target's
+args, so it is exactly the class of the target's full-attention layers. The
+norms are plain ``nn.RMSNorm``: the loaders add the ``+1`` of the zero-centred
+checkpoint norms once, as mlx-lm does for the backbone.
+
+The target's ``embed_tokens`` and ``lm_head`` are looked up on the target model
+at every call (through a weak reference held outside the module tree), so they
+are never parameters of the head, never copied, and a later ``nn.quantize`` of
+the target is picked up.
+"""
+
+import weakref
+from typing import Any, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3_next import (
+    Qwen3NextAttention,
+    Qwen3NextMLP,
+    Qwen3NextSparseMoeBlock,
+)
+
+# Model types whose checkpoints carry an ``mtp.*`` head this module implements.
+MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+def text_model(model):
+    """The module holding ``model`` (backbone), ``args`` and ``lm_head``."""
+    return getattr(model, "language_model", model)
+
+
+def text_args(model):
+    """The target's text-model args (``ModelArgs`` / ``TextModelArgs``)."""
+    return text_model(model).args
+
+
+class MTPKVCache(KVCache):
+    """A ``KVCache`` that stores keys/values in float16.
+
+    The head's one layer needs one row per verified position; float16 halves
+    its memory against float32 heads. ``update_and_fetch`` returns the cached
+    rows in the dtype of the incoming keys, so attention runs in the head's
+    compute dtype (the f16 rounding of the stored rows is the only change).
+    Rollback is the inherited ``trim(n)``.
+    """
+
+    def __init__(self, dtype=mx.float16):
+        super().__init__()
+        self.dtype = dtype
+
+    def update_and_fetch(self, keys, values):
+        # keys: [B, kv_heads, L, head_dim]
+        dt = keys.dtype
+        k, v = super().update_and_fetch(
+            keys.astype(self.dtype), values.astype(self.dtype)
+        )
+        return k.astype(dt), v.astype(dt)
+
+
+class MTPDecoderLayer(nn.Module):
+    """Pre-norm decoder layer: gated full attention, then MoE or SwiGLU MLP."""
+
+    def __init__(self, args, moe: bool):
+        super().__init__()
+        self.self_attn = Qwen3NextAttention(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(
+            args.hidden_size, eps=args.rms_norm_eps
+        )
+        if moe:
+            self.mlp = Qwen3NextSparseMoeBlock(args)
+        else:
+            self.mlp = Qwen3NextMLP(args.hidden_size, args.intermediate_size)
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        # x: [B, L, H]
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class _TargetRef:
+    """Weak link to the target model; a plain object, so not in the module tree."""
+
+    def __init__(self, model):
+        self._ref = weakref.ref(model)
+
+    def get(self):
+        model = self._ref()
+        if model is None:
+            raise RuntimeError("the target model of this MTP head no longer exists")
+        return model
+
+
+class MTPHead(nn.Module):
+    """The MTP head of a Qwen3-Next / Qwen3.5 target.
+
+    Parameters (module paths = the checkpoint's sanitised ``mtp.*`` names
+    without the prefix): ``fc``, ``pre_fc_norm_embedding``,
+    ``pre_fc_norm_hidden``, ``norm``, ``layers[0]`` (``MTPDecoderLayer``).
+    ``args`` are the target's text-model args. The head computes nothing
+    until :meth:`bind` links it to the target whose ``embed_tokens`` /
+    ``lm_head`` it uses (not owns).
+    """
+
+    def __init__(self, args, model_type: str, moe: Optional[bool] = None):
+        super().__init__()
+        if moe is None:
+            moe = getattr(args, "num_experts", 0) > 0
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.model_type = model_type
+        self.hidden_size = H
+        self.vocab_size = args.vocab_size
+        self.moe = moe
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps)
+        # Released checkpoints have one MTP layer (reused for every draft step).
+        self.layers = [MTPDecoderLayer(args, moe)]
+        self.norm = nn.RMSNorm(H, eps=eps)
+        self._target = None
+
+    def bind(self, model) -> "MTPHead":
+        """Share ``model``'s embedding and output head (weakly referenced)."""
+        self._target = _TargetRef(model)
+        return self
+
+    # -- the shared target modules ------------------------------------------
+
+    @property
+    def target(self):
+        if self._target is None:
+            raise RuntimeError("MTPHead is not bound to a target model (call bind)")
+        return self._target.get()
+
+    def embed(self, input_ids: mx.array) -> mx.array:
+        """input_ids: [B, L] -> [B, L, H] through the target's embedding."""
+        return text_model(self.target).model.embed_tokens(input_ids)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """hidden: [B, L, H] (post ``mtp.norm``) -> [B, L, V] via the target's head."""
+        lm = text_model(self.target)
+        if getattr(lm.args, "tie_word_embeddings", False):
+            return lm.model.embed_tokens.as_linear(hidden)
+        return lm.lm_head(hidden)
+
+    # -- forward -------------------------------------------------------------
+
+    def make_cache(self) -> List[MTPKVCache]:
+        return [MTPKVCache() for _ in self.layers]
+
+    def hidden(
+        self,
+        input_ids: mx.array,
+        target_hidden: mx.array,
+        cache: Optional[List[Any]] = None,
+    ) -> mx.array:
+        """The post-``mtp.norm`` hidden state.
+
+        input_ids: [B, L] (token_{p+1}); target_hidden: [B, L, H] (h_p, the
+        target's post-final-norm state). RoPE positions start at the cache
+        offset. Returns [B, L, H].
+        """
+        e = self.embed(input_ids)
+        x = mx.concatenate(
+            [self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(target_hidden)],
+            axis=-1,
+        )
+        x = self.fc(x)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        mask = create_attention_mask(x, cache[0])
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, mask, c)
+        return self.norm(x)
+
+    def __call__(
+        self,
+        input_ids: mx.array,
+        target_hidden: mx.array,
+        cache: Optional[List[Any]] = None,
+    ) -> Tuple[mx.array, mx.array]:
+        """Logits [B, L, V] and post-norm hidden [B, L, H] of the head.
+
+        input_ids: [B, L]; target_hidden: [B, L, H]; see :meth:`hidden`.
+        """
+        hm = self.hidden(input_ids, target_hidden, cache)
+        return self.logits(hm), hm
