@@ -9,6 +9,7 @@ COMMANDS = {
     "convert": "mlx_spec.convert",
     "chat": "mlx_spec.chat",
     "bench": "mlx_spec.bench",
+    "bench-kernels": "mlx_spec.kernels",
 }
 
 

@@ -76,8 +76,15 @@ class GDNSlotCache(ArraysCache):
 
         pre_state = self[1]
         store = self.rollback == "store"
-        y, states = gated_delta_steps(*gdn_inputs, pre_state, mask, keep_states=store)
-        if store:
+        y, states = gated_delta_steps(
+            *gdn_inputs, pre_state, mask, keep_states=store, n_slots=self.max_tokens
+        )
+        if store and isinstance(states, mx.array):
+            # the Metal kernel wrote the states in the pool layout
+            # [max_tokens, B, Hv, Dv, Dk] (slots >= T unused until rewritten)
+            self.state_pool = states
+            final = states[T - 1]
+        elif store:
             if self.state_pool is None:
                 shape = (self.max_tokens,) + states[0].shape
                 self.state_pool = mx.zeros(shape, states[0].dtype)
