@@ -7,7 +7,7 @@ import mlx.core as mx
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 
 from .adaptive import MAX_AUTO_DRAFT, DraftLengthPolicy, verify_cost_profile
-from .sampling import make_sampler
+from .sampling import make_draft_sampler, make_sampler
 from .state import SpeculativeCache
 from .stats import PhaseClock, SpecStats
 from .target import Target
@@ -218,6 +218,10 @@ def speculative_generate_step(
 
     tokens = prompt.tolist()
     history = list(tokens)  # what logits processors see: this call's tokens
+    if hasattr(decoder.drafter, "set_sampling"):
+        decoder.drafter.set_sampling(
+            make_draft_sampler(sampler, logits_processors, history)
+        )
     progress(0, len(tokens))
     decoder.feed(tokens, lambda n: progress(n, len(tokens)))
     clock = PhaseClock(stats, timing)

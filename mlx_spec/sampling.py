@@ -119,3 +119,33 @@ def rejection_sample(
     # One sample per possible stopping row; keep row n. log(0) = -inf masks.
     tokens = mx.random.categorical(mx.log(candidates))
     return mx.stack([n, tokens[n].astype(n.dtype)])
+
+
+def make_draft_sampler(sampler, processors, history: List[int]):
+    """How a drafter turns its logits into a draft token when sampling.
+
+    Returns None for greedy (or opaque) samplers: drafts are then the argmax,
+    i.e. deterministic, and verified against a one-hot q. Otherwise returns
+    ``choose(logits [V], drafted) -> (token, q [V])``: q is the drafter's
+    distribution under the same processing as the target's (logits processors
+    with ``history`` plus the tokens drafted so far, then the sampler's
+    filters and temperature), and the token is a sample of q. Everything
+    stays lazy, so drafting needs no host synchronisation.
+    """
+    if getattr(sampler, "greedy", True) or not hasattr(sampler, "logits"):
+        return None
+
+    def choose(logits: mx.array, drafted: List[mx.array]):
+        row = logits[None]
+        if processors:
+            seen = mx.array(history, mx.uint32)
+            tokens = mx.concatenate(
+                [seen] + [d.reshape(1).astype(mx.uint32) for d in drafted]
+            )
+            for p in processors:
+                row = p(tokens, row)
+        logprobs = row - mx.logsumexp(row, axis=-1, keepdims=True)
+        q_logits = sampler.logits(logprobs)[0]
+        return mx.random.categorical(q_logits), mx.softmax(q_logits, axis=-1)
+
+    return choose

@@ -1,13 +1,12 @@
 """Rejection sampling preserves the target distribution."""
 
-import itertools
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from scipy import stats as sps
 
-import mlx_spec.sampling as sampling
+import mlx_spec
 import mlx_spec.verify as verify
 from conftest import prompts
 from mlx_spec.decode import speculative_generate_step
@@ -110,7 +109,7 @@ def test_make_sampler_matches_mlx_lm_sampling():
 # --------------------------------------------------------------------------
 # End to end: the first tokens of speculative sampling follow plain sampling.
 
-TOP_K, N_RUNS, N_TOKENS = 6, 800, 3
+TOP_K, N_RUNS, N_TOKENS = 6, 600, 3
 
 
 def _exact_first_tokens(model, prompt, sampler):
@@ -172,13 +171,14 @@ def _distribution_pvalues(model, prompt, sampler, drafter_name):
 
 
 def _discriminating_prompt(model, sampler, drafter_name="ngram"):
-    """A repetitive prompt whose first draft the target finds neither certain
-    nor impossible (random models rarely do): there, a verifier that mishandles
-    rejections visibly shifts the output distribution."""
+    """A repetitive prompt whose first (greedy) draft the target finds neither
+    certain nor impossible (random models rarely do): there, a verifier that
+    mishandles rejections visibly shifts the output distribution."""
     for seed in range(200):
         prompt = prompts("repetitive", n=10, seed=seed)
         drafter = make_drafter(drafter_name, model)
-        drafter.reset(prompt, None)
+        hidden = model.model(mx.array([prompt[:-1]]))[0]
+        drafter.reset(prompt, hidden)
         draft = drafter.draft(1)
         logits = model(mx.array([prompt]))[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -197,8 +197,46 @@ def test_ngram_sampling_matches_plain_distribution(models, copy_prompt):
     model, _ = models["qwen3_next"]
     sampler = Sampler(temp=1.0, top_k=TOP_K)
     p_pairs, p_third = _distribution_pvalues(model, copy_prompt, sampler, "ngram")
-    print("p-values", p_pairs, p_third)
     assert min(p_pairs, p_third) > 1e-3, (p_pairs, p_third)
+
+
+@pytest.fixture(scope="module")
+def predictive_model(tmp_path_factory):
+    """A tiny qwen3_next whose MTP head predicts the target well, so sampled
+    MTP drafts are often, but not always, accepted."""
+    from mlx_spec.mtp.testing import write_predictive_checkpoint
+
+    path = write_predictive_checkpoint(tmp_path_factory.mktemp("pred"), "qwen3_next")
+    return mlx_spec.load(path)[0]
+
+
+@pytest.mark.parametrize("drafter_name", ["mtp", "mtp+ngram"])
+def test_mtp_sampling_matches_plain_distribution(predictive_model, drafter_name):
+    sampler = Sampler(temp=1.0, top_k=TOP_K)
+    prompt = _discriminating_prompt(predictive_model, sampler, "mtp")
+    p_pairs, p_third = _distribution_pvalues(
+        predictive_model, prompt, sampler, drafter_name
+    )
+    assert min(p_pairs, p_third) > 1e-3, (p_pairs, p_third)
+
+
+def test_sampled_mtp_drafts_are_accepted_with_their_q(predictive_model):
+    """Sampled drafts carry q: acceptance is well above what one-hot q gives."""
+    sampler = Sampler(temp=1.0, top_k=TOP_K)
+    prompt = prompts("mixed")
+    mx.random.seed(0)
+    stats = mlx_spec.SpecStats()
+    steps = speculative_generate_step(
+        mx.array(prompt),
+        predictive_model,
+        make_drafter("mtp", predictive_model),
+        num_draft_tokens=3,
+        max_tokens=60,
+        sampler=sampler,
+        stats=stats,
+    )
+    list(steps)
+    assert stats.accepted > 0.2 * stats.drafted
 
 
 def test_biased_verifier_is_caught(models, copy_prompt, monkeypatch):
@@ -215,13 +253,11 @@ def test_biased_verifier_is_caught(models, copy_prompt, monkeypatch):
     model, _ = models["qwen3_next"]
     sampler = Sampler(temp=1.0, top_k=TOP_K)
     p_pairs, p_third = _distribution_pvalues(model, copy_prompt, sampler, "ngram")
-    print("p-values", p_pairs, p_third)
     assert min(p_pairs, p_third) < 1e-4, (p_pairs, p_third)
 
 
 def test_seeded_runs_reproduce(models, copy_prompt):
     model, tok = models["qwen3_5"]
-    import mlx_spec
 
     def run(seed):
         mx.random.seed(seed)

@@ -76,15 +76,15 @@ class MTPNgramDrafter:
         self.score = {"mtp": 0.0, "ngram": 0.0}
         self._divergence = None
 
-    def _use_ngram(self, copy: List[int]) -> bool:
+    def _use_ngram(self, copy: List[int], rule: str) -> bool:
         """Fixed rules: copy or MTP, decided before drafting with MTP."""
         if not copy:
             return False
         # No MTP row yet (one-token prompt): the copy is the only draft.
-        if self.rule == "ngram_first" or self.mtp._logits is None:
+        if rule == "ngram_first" or self.mtp._logits is None:
             return True
         long = match_length(self.ngram) >= self.ngram.max_ngram
-        if self.rule == "long" or (self.rule == "agree_or_long" and long):
+        if rule == "long" or (rule == "agree_or_long" and long):
             return long
         return int(mx.argmax(self.mtp._logits).item()) == copy[0]
 
@@ -108,9 +108,15 @@ class MTPNgramDrafter:
             )
         self._divergence = None
         copy = self.ngram.draft(k)
-        if self.rule == "adaptive" and copy and self.mtp._logits is not None:
+        sampling = self.mtp.choose is not None
+        if (
+            self.rule == "adaptive"
+            and copy
+            and self.mtp._logits is not None
+            and not sampling
+        ):
             out = self._adaptive(copy, k)
-        elif self._use_ngram(copy):
+        elif self._use_ngram(copy, "agree_or_long" if sampling else self.rule):
             out = copy
         else:
             out = self.mtp.draft(k)

@@ -47,6 +47,13 @@ class MTPDrafter:
         self._hm = None  # [1, 1, H]: its post-norm hidden (input of step 2)
         self._draft_rows = 0  # draft-time rows in the cache, trimmed on accept
         self.verified = 0  # rows of verified positions in the cache
+        self.choose = None  # sampling: logits, drafted -> (token, q); None: argmax
+        self.draft_probs: Optional[mx.array] = None  # [m, V] q of a sampled draft
+
+    def set_sampling(self, choose):
+        """Sample drafts with ``choose`` (see ``sampling.make_draft_sampler``);
+        None drafts the argmax."""
+        self.choose = choose
 
     @property
     def offset(self) -> int:
@@ -93,22 +100,30 @@ class MTPDrafter:
             )
         if self._draft_rows:
             raise RuntimeError("draft() called twice without accept()")
+        self.draft_probs = None
         if self._logits is None:
             self.last_draft_logits = None
             return []
         logits, hm = self._logits, self._hm
-        rows = [logits]
-        tokens = [mx.argmax(logits)]
-        for _ in range(k - 1):
-            # Lazy chain: the argmax feeds the next embedding without a sync.
-            hm = self.head.hidden(tokens[-1].reshape(1, 1), hm, self.cache)
-            logits = self.head.logits(hm)[0, 0]
+        rows, tokens, probs = [], [], []
+        for step in range(k):
+            if step:
+                # Lazy chain: the token feeds the next embedding without a sync.
+                hm = self.head.hidden(tokens[-1].reshape(1, 1), hm, self.cache)
+                logits = self.head.logits(hm)[0, 0]
             rows.append(logits)
-            tokens.append(mx.argmax(logits))
+            if self.choose is None:
+                tokens.append(mx.argmax(logits))
+            else:
+                token, q = self.choose(logits, tokens)
+                tokens.append(token)
+                probs.append(q)
         self._draft_rows = k - 1
         self.last_draft_logits = mx.stack(rows)
+        if probs:
+            self.draft_probs = mx.stack(probs)
         tokens = mx.stack(tokens)
-        mx.eval(tokens, self.last_draft_logits)
+        mx.eval(tokens, self.last_draft_logits, self.draft_probs)
         return tokens.tolist()
 
     def discard_draft(self):
