@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from .decode import SpeculativeDecoder, speculative_generate_step
 from .demo import default_model_path
-from .drafters import DRAFTS, make_drafter
+from .drafters import DRAFTS, default_draft, make_drafter
 from .generate import check_options
 from .generate_cli import draft_length
 from .loading import load
@@ -45,7 +45,8 @@ class ChatSession:
 
     def reset(self):
         args = self.args
-        drafter = make_drafter(args.draft, self.model, max_ngram=args.max_ngram)
+        draft = args.draft or default_draft(self.model)
+        drafter = make_drafter(draft, self.model, max_ngram=args.max_ngram)
         max_draft = 8 if args.num_draft_tokens == "auto" else args.num_draft_tokens
         self.decoder = SpeculativeDecoder(
             self.model,
@@ -151,7 +152,12 @@ def setup_parser():
         prog="mlx_spec chat", description="Chat with speculative decoding."
     )
     p.add_argument("--model", help="Model directory (default: the bundled demo model).")
-    p.add_argument("--draft", choices=DRAFTS, default="ngram")
+    p.add_argument(
+        "--draft",
+        choices=DRAFTS,
+        default=None,
+        help="Drafter (default: mtp+ngram with an MTP head, else ngram).",
+    )
     p.add_argument("--num-draft-tokens", type=draft_length, default="auto")
     p.add_argument("--max-ngram", type=int, default=3)
     p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
@@ -172,13 +178,14 @@ def setup_parser():
 def main(argv=None):
     args = setup_parser().parse_args(argv)
     try:
-        check_options(args.max_tokens, args.draft, args.num_draft_tokens)
+        check_options(args.max_tokens, args.draft or "ngram", args.num_draft_tokens)
     except ValueError as e:
         print(f"mlx_spec chat: {e}", file=sys.stderr)
         return 2
     mx.random.seed(args.seed)
     model_path = args.model or default_model_path()
     model, tokenizer = load(model_path)
+    args.draft = args.draft or default_draft(model)
     chat = ChatSession(model, tokenizer, args)
     if args.prompt_cache_file:
         try:

@@ -14,7 +14,8 @@ from mlx_lm.generate import (
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .decode import MAX_DRAFT_TOKENS, speculative_generate_step
-from .drafters import DRAFTS, make_drafter
+from .drafters import DRAFTS, default_draft, make_drafter
+from .drafters.mtp import MAX_MTP_DRAFT
 from .stats import SpecStats
 
 # Arguments of mlx-lm's generate_step that only plain decoding supports.
@@ -63,6 +64,12 @@ def check_options(max_tokens, draft, num_draft_tokens: int):
             f"num_draft_tokens must be 'auto' or an integer in 0..{MAX_DRAFT_TOKENS}, "
             f"got {num_draft_tokens!r}"
         )
+    if draft in ("mtp", "mtp+ngram") and isinstance(num_draft_tokens, int):
+        if num_draft_tokens > MAX_MTP_DRAFT:
+            raise ValueError(
+                f"draft {draft!r} drafts 1..{MAX_MTP_DRAFT} tokens per pass (its "
+                f"one MTP layer is reused per step), got {num_draft_tokens}"
+            )
 
 
 def stream_generate(
@@ -70,7 +77,7 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, mx.array, List[int]],
     max_tokens: int = 256,
-    draft="ngram",
+    draft=None,
     num_draft_tokens="auto",
     max_ngram: int = 3,
     stats: Optional[SpecStats] = None,
@@ -79,14 +86,17 @@ def stream_generate(
 ):
     """Like ``mlx_lm.stream_generate``, drafting with ``draft`` and verifying.
 
-    ``draft`` is a drafter name (``"none"``, ``"ngram"``, ...) or an object
-    with ``reset(prompt, hidden)``, ``draft(k)`` and ``accept(tokens, hidden)``.
+    ``draft`` is a drafter name (``"none"``, ``"ngram"``, ``"mtp"``,
+    ``"mtp+ngram"``; default: ``mtp+ngram`` when the model has an MTP head,
+    else ``ngram``) or an object with ``reset(prompt, hidden)``, ``draft(k)``
+    and ``accept(tokens, hidden)``.
 
     Yields ``SpecGenerationResponse`` (a ``GenerationResponse``) objects;
     ``from_draft`` is True for tokens that were drafted and accepted. Extra
     keyword arguments are those of ``mlx_lm.generate_step``. ``draft="none"``
     (or ``num_draft_tokens=0``) is plain mlx-lm decoding.
     """
+    draft = default_draft(model) if draft is None else draft
     check_options(max_tokens, draft, num_draft_tokens)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -97,11 +107,12 @@ def stream_generate(
         )
     prompt = _encode(tokenizer, prompt)
     stats = SpecStats() if stats is None else stats
-    drafter = (
-        make_drafter(draft, model, max_ngram=max_ngram)
-        if isinstance(draft, str)
-        else draft
-    )
+    if num_draft_tokens == 0:
+        drafter = None
+    elif isinstance(draft, str):
+        drafter = make_drafter(draft, model, max_ngram=max_ngram)
+    else:
+        drafter = draft
     stream = kwargs.pop("stream", generation_stream)
     kwargs.pop("num_draft_tokens", None)
     kwargs["max_tokens"] = max_tokens

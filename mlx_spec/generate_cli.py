@@ -30,9 +30,16 @@ def setup_parser():
     parser.add_argument(
         "--draft",
         choices=DRAFTS,
-        default="ngram",
-        help="Drafter: 'ngram' looks the context up for a continuation; 'none' "
-        "is plain decoding.",
+        default=None,
+        help="Drafter: 'mtp' the model's own multi-token-prediction head, "
+        "'ngram' a lookup of the context for a continuation, 'mtp+ngram' both, "
+        "'none' plain decoding (default: mtp+ngram when the model has an MTP "
+        "head, else ngram).",
+    )
+    parser.add_argument(
+        "--mtp-path",
+        help="MTP head sidecar (mtp.safetensors written by 'mlx_spec convert') "
+        "for a model directory without one.",
     )
     parser.add_argument(
         "--max-ngram",
@@ -67,7 +74,13 @@ def main(argv=None):
             return 2
     if args.seed is not None:
         mx.random.seed(args.seed)
-    model, tokenizer = load(args.model or default_model_path())
+    try:
+        model, tokenizer = load(
+            args.model or default_model_path(), mtp_path=args.mtp_path
+        )
+    except FileNotFoundError as e:
+        print(f"mlx_spec generate: {e}", file=sys.stderr)
+        return 2
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
 

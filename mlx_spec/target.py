@@ -1,6 +1,6 @@
 """The target model seen by the decode loop: logits and post-norm hidden states."""
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 

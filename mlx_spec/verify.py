@@ -5,7 +5,6 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .sampling import rejection_sample
-from .stats import SpecStats  # noqa: F401  (re-exported for older imports)
 
 
 def accept_greedy(draft: Sequence[int], target: Sequence[int]) -> int:

@@ -37,7 +37,7 @@ from mlx_spec.mtp.testing import (
     write_predictive_checkpoint,
 )
 from mlx_spec.tiny_checkpoint import FAMILIES, write_tiny_checkpoint
-from mlx_spec.verify import SpecStats
+from mlx_spec.stats import SpecStats
 
 TEXT_PROMPTS = {
     "code": [

@@ -22,7 +22,7 @@ from mlx_spec.mtp import MTP_NORMS, MTPUnavailableError, MTPWeightsError
 from mlx_spec.mtp.weights import mtp_shards
 from mlx_spec.mtp.testing import write_predictive_checkpoint
 from mlx_spec.tiny_checkpoint import FAMILIES, write_tiny_checkpoint
-from mlx_spec.verify import SpecStats
+from mlx_spec.stats import SpecStats
 
 PROMPT = "def push(self, value: int) -> None:\n"
 

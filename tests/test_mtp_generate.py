@@ -20,7 +20,7 @@ from mlx_spec.mtp.testing import (
     write_predictive_checkpoint,
 )
 from mlx_spec.tiny_checkpoint import FAMILIES
-from mlx_spec.verify import SpecStats
+from mlx_spec.stats import SpecStats
 
 PROMPT = "def push(self, value: int) -> None:\n"
 COPY_PROMPT = "x = a + b\ny = a + b\nz = a + b\nw = a + b\nv = a"

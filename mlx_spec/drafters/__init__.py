@@ -10,6 +10,11 @@ from .ngram import NgramDrafter
 DRAFTS = ("none", "ngram", "mtp", "mtp+ngram")
 
 
+def default_draft(model) -> str:
+    """``mtp+ngram`` for a model with an MTP head, else ``ngram``."""
+    return "mtp+ngram" if getattr(model, "mtp_head", None) is not None else "ngram"
+
+
 def make_drafter(draft: str, model=None, max_ngram: int = 3):
     """Build the drafter named by ``draft`` for ``model`` (``"none"``: None)."""
     if draft not in DRAFTS:

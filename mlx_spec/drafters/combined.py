@@ -29,20 +29,10 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from .mtp import MTPDrafter
-from .ngram import MIN_NGRAM, NgramDrafter
+from .ngram import NgramDrafter
 
 RULES = ("adaptive", "agree", "agree_or_long", "long", "ngram_first")
 DECAY = 0.8  # weight of older disagreements in the adaptive score
-
-
-def match_length(ngram: NgramDrafter) -> int:
-    """Length of the longest history suffix that occurred before (0: none)."""
-    seq = ngram.tokens
-    L = len(seq)
-    for n in range(min(ngram.max_ngram, L), MIN_NGRAM - 1, -1):
-        if tuple(seq[L - n :]) in ngram._next:
-            return n
-    return 0
 
 
 class MTPNgramDrafter:
@@ -76,6 +66,16 @@ class MTPNgramDrafter:
         self.score = {"mtp": 0.0, "ngram": 0.0}
         self._divergence = None
 
+    @property
+    def state(self) -> List[mx.array]:
+        return self.mtp.state  # the n-gram index follows the history
+
+    def restore(self, history: Sequence[int], arrays: Sequence[mx.array]):
+        self.mtp.restore(history, arrays)
+        self.ngram.restore(history)
+        self.score = {"mtp": 0.0, "ngram": 0.0}
+        self._divergence, self.last_draft_source = None, None
+
     def _use_ngram(self, copy: List[int], rule: str) -> bool:
         """Fixed rules: copy or MTP, decided before drafting with MTP."""
         if not copy:
@@ -83,7 +83,7 @@ class MTPNgramDrafter:
         # No MTP row yet (one-token prompt): the copy is the only draft.
         if rule == "ngram_first" or self.mtp._logits is None:
             return True
-        long = match_length(self.ngram) >= self.ngram.max_ngram
+        long = self.ngram.match_length() >= self.ngram.max_ngram
         if rule == "long" or (rule == "agree_or_long" and long):
             return long
         return int(mx.argmax(self.mtp._logits).item()) == copy[0]
@@ -98,7 +98,7 @@ class MTPNgramDrafter:
         if self.score["ngram"] != self.score["mtp"]:
             take_copy = self.score["ngram"] > self.score["mtp"]
         else:
-            take_copy = match_length(self.ngram) >= self.ngram.max_ngram
+            take_copy = self.ngram.match_length() >= self.ngram.max_ngram
         return copy if take_copy else ours
 
     def draft(self, k: int) -> List[int]:

@@ -92,6 +92,28 @@ class MTPDrafter:
             if stop < n:
                 mx.eval([c.state for c in self.cache])
 
+    @property
+    def state(self) -> List[mx.array]:
+        """Arrays to save with a session: the verified cache rows of each
+        layer (keys, values; float16) and the last row's post-norm hidden."""
+        if self._hm is None:
+            return []
+        rows = []
+        for c in self.cache:
+            rows += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        return rows + [self._hm]
+
+    def restore(self, history: Sequence[int], arrays: Sequence[mx.array]):
+        """Rebuild the state saved by ``state`` (``history`` is not needed)."""
+        self.reset([0], None)  # an empty cache, no rows
+        if not arrays:
+            return
+        *rows, self._hm = arrays
+        for c, keys, values in zip(self.cache, rows[0::2], rows[1::2]):
+            c.update_and_fetch(keys, values)
+        self._logits = self.head.logits(self._hm)[0, 0]
+        self.verified = self.offset
+
     def draft(self, k: int) -> List[int]:
         """Up to ``k`` (1..8) greedy tokens after the pending token."""
         if not isinstance(k, int) or not 1 <= k <= self.max_draft:

@@ -51,14 +51,19 @@ class NgramDrafter:
         """Record the tokens a verify step emitted."""
         self.extend(tokens)
 
-    def lookup(self) -> Optional[int]:
-        """Start of the continuation of the longest matching suffix, or None."""
+    def match(self) -> Tuple[int, Optional[int]]:
+        """(n, start): the longest suffix n-gram seen before and where its
+        continuation starts; (0, None) when nothing matches."""
         L = len(self.tokens)
         for n in range(min(self.max_ngram, L), MIN_NGRAM - 1, -1):
             start = self._next.get(tuple(self.tokens[L - n :]))
             if start is not None:
-                return start
-        return None
+                return n, start
+        return 0, None
+
+    def match_length(self) -> int:
+        """Length of the longest suffix n-gram seen before (0: none)."""
+        return self.match()[0]
 
     def draft(self, k: int) -> List[int]:
         """Up to ``k`` tokens that followed the suffix's last occurrence.
@@ -66,7 +71,7 @@ class NgramDrafter:
         A continuation that runs into the end of the history keeps copying
         with the same period, so repeating text drafts all ``k`` tokens.
         """
-        start = self.lookup() if k > 0 else None
+        start = self.match()[1] if k > 0 else None
         if start is None:
             return []
         seq = self.tokens
