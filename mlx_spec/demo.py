@@ -1,29 +1,26 @@
-"""The default model: works offline on a fresh machine.
+"""The default model: a small trained Qwen3-Next-architecture model that ships with the package.
 
-Until a trained demo model ships with the package, the default is a tiny
-random-weight ``qwen3_next`` checkpoint (real tensor layout, GDN + attention +
-MoE + MTP tensors) built on first use. Its text is noise and its drafts are
-rarely accepted; it exercises the whole path, not the speed.
+``mlx_spec/data/demo/`` is a raw Hugging Face ``qwen3_next`` checkpoint
+(Gated-DeltaNet + gated attention + MoE with a shared expert, and its one-layer
+MTP head under ``mtp.*``), trained on the Python standard library's own source
+by ``scripts/train_demo/build_demo.py``; its model card is
+``mlx_spec/data/demo/README.md``. It loads like a downloaded Qwen checkpoint:
+``mlx_spec.load(default_model_path())``.
 """
 
-import os
-import shutil
 from pathlib import Path
 
-from .tiny_checkpoint import write_tiny_checkpoint
-
-_TINY_NAME = "tiny-qwen3_next-seed0"
+DEMO_DIR = Path(__file__).resolve().parent / "data" / "demo"
+_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 def default_model_path() -> Path:
-    """Path of the default model, building it under the cache dir if needed."""
-    root = Path(os.environ.get("MLX_SPEC_CACHE", Path.home() / ".cache" / "mlx_spec"))
-    path = root / _TINY_NAME
-    if not (path / "config.json").exists():
-        tmp = root / (_TINY_NAME + f".tmp{os.getpid()}")
-        write_tiny_checkpoint(tmp, "qwen3_next", seed=0)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process built it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    """Directory of the bundled demo checkpoint (raises if it is incomplete)."""
+    missing = [f for f in _FILES if not (DEMO_DIR / f).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the bundled demo model in {DEMO_DIR} is missing {', '.join(missing)}; "
+            "reinstall mlx-spec, rebuild it with scripts/train_demo/build_demo.py, or "
+            "pass --model"
+        )
+    return DEMO_DIR

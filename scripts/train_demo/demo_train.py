@@ -1,0 +1,302 @@
+"""Training the demo target (mlx-lm's qwen3_next ``Model``) and its MTP head.
+
+The target is mlx-lm's own model class; during training its Gated-DeltaNet
+layers run the chunked rule of ``chunked_gdn.py`` (same function, tested
+against mlx-lm's recurrent ops) instead of the per-token loop. The MTP head
+is the project's :class:`mlx_spec.mtp.MTPHead` (the module inference runs),
+bound to the frozen target: row p gets (token_{p+1}, h_p) with h the target's
+post-final-norm hidden state, and predicts token_{p+2}.
+
+Checkpoints are MLX safetensors in the sanitised (mlx-lm) layout, float32:
+``target.safetensors`` and ``mtp_head.safetensors`` in the work directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map_with_path
+
+from chunked_gdn import chunked_gdn
+from demo_config import DemoConfig
+
+# Output projections: scaled down at init (residual branches).
+_OUT_PROJ = ("o_proj", "out_proj", "down_proj")
+
+
+def build_target(cfg: DemoConfig, eos_token_id: int):
+    from mlx_lm.models.qwen3_next import Model, ModelArgs
+
+    return Model(ModelArgs.from_dict(cfg.hf_config(eos_token_id)))
+
+
+def build_head(model):
+    from mlx_spec.mtp import MTPHead
+
+    return MTPHead(model.args, model.model_type).bind(model)
+
+
+def init_weights(module: nn.Module, num_layers: int, seed: int) -> None:
+    """GPT-style init: N(0, 0.02) matrices, residual outputs / sqrt(2 L); the rest kept."""
+    keys = iter(mx.random.split(mx.random.key(seed), 4096))
+    out_std = 0.02 / math.sqrt(2 * num_layers)
+
+    def init(path: str, p: mx.array):
+        leaf = path.split(".")
+        if leaf[-1] != "weight" or p.ndim < 2 or "conv1d" in path:
+            return p
+        std = out_std if any(n in leaf for n in _OUT_PROJ) else 0.02
+        return (std * mx.random.normal(p.shape, key=next(keys))).astype(p.dtype)
+
+    module.update(tree_map_with_path(init, module.parameters()))
+
+
+def num_params(module: nn.Module) -> int:
+    return sum(v.size for _, v in tree_flatten(module.parameters()))
+
+
+def lr_schedule(peak: float, warmup: int, total: int) -> Callable:
+    warm = optim.linear_schedule(peak * 0.01, peak, max(warmup, 1))
+    decay = optim.cosine_decay(peak, max(total - warmup, 1), end=peak * 0.1)
+    return optim.join_schedules([warm, decay], [max(warmup, 1)])
+
+
+class Batches:
+    """Random windows of ``length`` tokens from a stream, seeded."""
+
+    def __init__(self, stream: np.ndarray, length: int, batch: int, seed: int):
+        if stream.size <= length:
+            stream = np.resize(stream, length + 1)  # tiny corpora: wrap around
+        self.stream, self.length, self.batch = stream, length, batch
+        self.rng = np.random.default_rng(seed)
+
+    def next(self) -> mx.array:
+        starts = self.rng.integers(0, self.stream.size - self.length, self.batch)
+        rows = np.stack([self.stream[s : s + self.length] for s in starts])
+        return mx.array(rows.astype(np.int32))
+
+
+def eval_windows(stream: np.ndarray, length: int, limit: Optional[int]) -> list:
+    """Non-overlapping held-out windows of ``length`` tokens (the last may be shorter)."""
+    out = []
+    for s in range(0, max(stream.size - 1, 1), length - 1):
+        w = stream[s : s + length]
+        if w.size >= 2:
+            out.append(mx.array(w.astype(np.int32))[None])
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def target_loss(model, x: mx.array) -> mx.array:
+    logits = model(x[:, :-1]).astype(mx.float32)
+    return nn.losses.cross_entropy(logits, x[:, 1:], reduction="mean")
+
+
+def heldout_target_loss(model, windows) -> float:
+    """Mean next-token cross-entropy (nats) over every predicted held-out token."""
+    total, count = 0.0, 0
+    with chunked_gdn():
+        for w in windows:
+            logits = model(w[:, :-1]).astype(mx.float32)
+            ce = nn.losses.cross_entropy(logits, w[:, 1:], reduction="sum")
+            total += ce.item()
+            count += w.shape[1] - 1
+    return total / max(count, 1)
+
+
+def _log(log_file: Optional[Path], record: dict) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if log_file is not None:
+        with open(log_file, "a") as f:
+            f.write(line + "\n")
+
+
+def train_target(cfg: DemoConfig, work: Path, steps: Optional[int] = None):
+    """Train the target from the token streams in ``work``; saves ``target.safetensors``."""
+    work = Path(work)
+    corpus = json.loads((work / "corpus.json").read_text())
+    train = np.load(work / "train_tokens.npy")
+    held = np.load(work / "eval_tokens.npy")
+    steps = cfg.target_steps if steps is None else steps
+    mx.random.seed(cfg.seed)
+    model = build_target(cfg, corpus["eos_token_id"])
+    init_weights(model, cfg.num_hidden_layers, cfg.seed)
+    model.train()
+    opt = optim.AdamW(
+        lr_schedule(cfg.target_lr, cfg.warmup_steps, steps),
+        betas=[0.9, 0.95],
+        weight_decay=cfg.weight_decay,
+    )
+    loss_and_grad = nn.value_and_grad(model, target_loss)
+    state = [model.state, opt.state]
+
+    def step(x):
+        loss, grads = loss_and_grad(model, x)
+        grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
+        opt.update(model, grads)
+        return loss, norm
+
+    if cfg.compile:
+        step = mx.compile(step, inputs=state, outputs=state)
+
+    batches = Batches(train, cfg.seq_len + 1, cfg.batch_size, cfg.seed + 1)
+    windows = eval_windows(held, cfg.seq_len + 1, cfg.eval_windows)
+    log_file = work / "train_target.log.jsonl"
+    log_file.unlink(missing_ok=True)
+    _log(log_file, {"stage": "target", "params": num_params(model), "steps": steps})
+    t0, run = time.time(), 0.0
+    with chunked_gdn(cfg.gdn_chunk, model):
+        for i in range(1, steps + 1):
+            loss, norm = step(batches.next())
+            mx.eval(loss, norm, state)
+            run = loss.item() if i == 1 else 0.95 * run + 0.05 * loss.item()
+            if i % cfg.log_every == 0 or i == steps:
+                el = time.time() - t0
+                _log(
+                    log_file,
+                    {
+                        "step": i,
+                        "loss": round(loss.item(), 4),
+                        "smooth": round(run, 4),
+                        "grad_norm": round(norm.item(), 3),
+                        "elapsed_s": round(el, 1),
+                        "tok_per_s": round(i * cfg.batch_size * cfg.seq_len / el),
+                    },
+                )
+    train_s = time.time() - t0
+    model.eval()
+    held_loss = heldout_target_loss(model, windows)
+    model.save_weights(str(work / "target.safetensors"))
+    result = {
+        "stage": "target",
+        "steps": steps,
+        "train_seconds": round(train_s, 1),
+        "tokens_seen": steps * cfg.batch_size * cfg.seq_len,
+        "heldout_loss": held_loss,
+        "heldout_windows": len(windows),
+        "unigram_loss": corpus["unigram_eval_loss"],
+        "params": num_params(model),
+    }
+    _log(log_file, result)
+    (work / "target_result.json").write_text(json.dumps(result, indent=2) + "\n")
+    return model, result
+
+
+def load_target(cfg: DemoConfig, work: Path):
+    corpus = json.loads((Path(work) / "corpus.json").read_text())
+    model = build_target(cfg, corpus["eos_token_id"])
+    model.load_weights(str(Path(work) / "target.safetensors"))
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def mtp_loss(head, model, x: mx.array, distill: float):
+    """x: [B, L+1]. Row p: (x_{p+1}, h_p) -> x_{p+2}; soft labels: target's logits at p+1."""
+    h = mx.stop_gradient(model.model(x[:, :-1]))  # [B, L, H] post-norm
+    t_logits = mx.stop_gradient(head.logits(h[:, 1:]).astype(mx.float32))
+    logits, _ = head(x[:, 1:-1], h[:, :-1])
+    logits = logits.astype(mx.float32)
+    hard = nn.losses.cross_entropy(logits, x[:, 2:], reduction="mean")
+    soft_p = mx.softmax(t_logits, axis=-1)
+    soft = -(soft_p * nn.log_softmax(logits, axis=-1)).sum(-1).mean()
+    return distill * soft + (1.0 - distill) * hard, hard
+
+
+def heldout_mtp(head, model, windows) -> dict:
+    """Held-out MTP cross-entropy vs the true token_{p+2}, and top-1 agreement with the target."""
+    ce, agree, count = 0.0, 0, 0
+    with chunked_gdn():
+        for w in windows:
+            if w.shape[1] < 3:
+                continue
+            h = model.model(w[:, :-1])
+            logits, _ = head(w[:, 1:-1], h[:, :-1])
+            logits = logits.astype(mx.float32)
+            t_pred = mx.argmax(head.logits(h[:, 1:]), axis=-1)
+            ce += nn.losses.cross_entropy(logits, w[:, 2:], reduction="sum").item()
+            agree += (mx.argmax(logits, axis=-1) == t_pred).sum().item()
+            count += w.shape[1] - 2
+    return {
+        "mtp_heldout_loss": ce / max(count, 1),
+        "mtp_top1_agree": agree / max(count, 1),
+    }
+
+
+def train_mtp(cfg: DemoConfig, work: Path, steps: Optional[int] = None):
+    """Train the MTP head on the frozen target; saves ``mtp_head.safetensors``."""
+    work = Path(work)
+    train = np.load(work / "train_tokens.npy")
+    held = np.load(work / "eval_tokens.npy")
+    steps = cfg.mtp_steps if steps is None else steps
+    model = load_target(cfg, work)
+    model.freeze()
+    mx.random.seed(cfg.seed + 2)
+    head = build_head(model)
+    init_weights(head, cfg.num_hidden_layers, cfg.seed + 2)
+    head.train()
+    opt = optim.AdamW(
+        lr_schedule(cfg.mtp_lr, cfg.warmup_steps, steps),
+        betas=[0.9, 0.95],
+        weight_decay=cfg.weight_decay,
+    )
+
+    def loss_fn(head, x):
+        return mtp_loss(head, model, x, cfg.mtp_distill)
+
+    loss_and_grad = nn.value_and_grad(head, loss_fn)
+    state = [head.state, opt.state]
+
+    def step(x):
+        (loss, hard), grads = loss_and_grad(head, x)
+        grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+        opt.update(head, grads)
+        return loss, hard
+
+    if cfg.compile:
+        step = mx.compile(step, inputs=state + [model.state], outputs=state)
+
+    batches = Batches(train, cfg.seq_len + 1, cfg.mtp_batch_size, cfg.seed + 3)
+    windows = eval_windows(held, cfg.seq_len + 1, cfg.eval_windows)
+    log_file = work / "train_mtp.log.jsonl"
+    log_file.unlink(missing_ok=True)
+    _log(log_file, {"stage": "mtp", "params": num_params(head), "steps": steps})
+    t0 = time.time()
+    with chunked_gdn(cfg.gdn_chunk, model):
+        for i in range(1, steps + 1):
+            loss, hard = step(batches.next())
+            mx.eval(loss, hard, state)
+            if i % cfg.log_every == 0 or i == steps:
+                el = time.time() - t0
+                _log(
+                    log_file,
+                    {
+                        "step": i,
+                        "loss": round(loss.item(), 4),
+                        "hard": round(hard.item(), 4),
+                        "elapsed_s": round(el, 1),
+                    },
+                )
+    train_s = time.time() - t0
+    head.eval()
+    result = {
+        "stage": "mtp",
+        "steps": steps,
+        "train_seconds": round(train_s, 1),
+        "params": num_params(head),
+        **heldout_mtp(head, model, windows),
+    }
+    head.save_weights(str(work / "mtp_head.safetensors"))
+    _log(log_file, result)
+    (work / "mtp_result.json").write_text(json.dumps(result, indent=2) + "\n")
+    return head, result
