@@ -6,11 +6,11 @@ switch is ``MLX_SPEC_KERNELS``, see ``mlx_spec.kernels``):
 
 * ``gated_delta.gated_delta_steps``: the GDN recurrence of a verify pass with
   the state after every token;
-* ``attention.verify_attention`` / ``attention.attention``: causal GQA
-  attention of T <= 16 query tokens over a KV cache;
+* ``attention.verify_attention``: causal GQA attention of T <= 16 query
+  tokens over a KV cache;
 * ``attention.mtp_attention``: the MTP head's attention over its float16 cache;
-* ``moe.moe_experts``: the routed experts of few tokens, each selected expert
-  read once.
+* ``moe.moe_experts``: the routed experts of few tokens (``SwitchGLU``'s
+  per-(token, expert) outputs), each selected expert read once.
 
 See README.md in this directory for the designs and what they save.
 """

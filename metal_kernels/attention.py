@@ -24,6 +24,10 @@ on positions after it: a verify pass computes bit-for-bit what one-token
 steps through this kernel would. The MTP variant is the same kernel with
 ``T = 1`` reading the float16 cache directly while the queries stay in the
 head's compute dtype (mlx-lm-style code upcasts the whole cache first).
+
+mlx-lm's attention layer reaches these through the dispatcher that
+``mlx_spec.fast_layers`` installs in place of
+``mlx_lm.models.qwen3_next.scaled_dot_product_attention``.
 """
 
 from typing import Optional
@@ -379,16 +383,3 @@ def mtp_attention(queries, keys, values, scale: float, mask=None):
         family=dims,
         decide=lambda: faster_on_family(dims, (1,), mtp_attention_reference),
     )
-
-
-def attention(queries, keys, values, cache, scale: float, mask: Optional[object]):
-    """Drop-in for mlx-lm's ``scaled_dot_product_attention`` (same
-    arguments): quantised caches keep mlx-lm's path, the rest goes through
-    ``verify_attention``."""
-    if hasattr(cache, "bits"):
-        from mlx_lm.models.base import scaled_dot_product_attention
-
-        return scaled_dot_product_attention(
-            queries, keys, values, cache=cache, scale=scale, mask=mask
-        )
-    return verify_attention(queries, keys, values, scale, mask)

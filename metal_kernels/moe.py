@@ -1,9 +1,12 @@
 """Expert dispatch for few-token MoE (the routed experts of a verify pass).
 
-For the ``M = B * T`` tokens of a verify pass and their top-``K`` experts,
-every distinct selected expert's weights are read once for all the tokens
-routed to it (mlx-lm's ``SwitchGLU`` below 64 (token, expert) pairs reads an
-expert once per pair). Three launches:
+A drop-in for mlx-lm's ``SwitchGLU.__call__(x, indices)``: for the
+``M = B * T`` tokens of a verify pass and their top-``K`` experts it returns
+each (token, expert) pair's expert output ``[..., K, H]``; the MoE block
+(mlx-lm's own code) then forms the score-weighted sum. Every distinct
+selected expert's weights are read once for all the tokens routed to it
+(mlx-lm's ``SwitchGLU`` below 64 (token, expert) pairs reads an expert once
+per pair). Two launches after the routing:
 
 0. routing (MLX ops, no sync): the ``P = M * K`` (token, expert) pairs
    sorted by expert, and where each expert's run of pairs starts.
@@ -15,13 +18,14 @@ expert once per pair). Three launches:
    each lane dots 8 columns of its rows of ``gate_proj`` and ``up_proj`` with
    every token, ``simd_sum`` per row and token, and writes
    ``silu(gate) * up`` (float32) per pair.
-2. down: the same with ``down_proj`` on the pairs' hidden vectors.
-3. combine: grid ``(H, M, 1)``: ``y = sum_k score_k * y_k`` in ``k`` order.
+2. down: the same with ``down_proj`` on the pairs' hidden vectors, writing
+   each pair's output (float32 ``[P, H]``, pair ``m * K + k`` in row
+   ``m * K + k``), cast to x's dtype by an MLX op.
 
 Weights: float16/bfloat16/float32 ``SwitchLinear`` or mlx affine
 ``QuantizedSwitchLinear`` (4 or 8 bits, group size 64; the dot uses
 ``scale * sum(q * x) + bias * sum(x)`` per group). Accumulation is float32;
-a token's result does not depend on the other tokens (each pair has its own
+a pair's result does not depend on the other tokens (each pair has its own
 accumulators, sums run in a fixed order), so a verify pass computes what
 one-token steps through this kernel would.
 """
@@ -42,13 +46,26 @@ MAX_TOKENS = 16
 NSG, RS, BLK = 4, 2, 256
 
 
+def experts_reference(x: mx.array, inds: mx.array, switch_mlp) -> mx.array:
+    """mlx-lm's expert path: ``SwitchGLU.__call__`` itself (also for a
+    subclass of ``SwitchGLU``, whose own ``__call__`` may dispatch here).
+
+    x: [..., H]; inds: [..., K]. Returns [..., K, H] in x's dtype.
+    """
+    return SwitchGLU.__call__(switch_mlp, x, inds)
+
+
 def moe_reference(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp):
-    """mlx-lm's expert path: ``SwitchGLU`` then the score-weighted sum (as in
-    ``Qwen3NextSparseMoeBlock``).
+    """The routed part of ``Qwen3NextSparseMoeBlock``: ``SwitchGLU`` then
+    mlx-lm's score-weighted sum (what ``bench-kernels`` times).
 
     x: [..., H]; inds, scores: [..., K]. Returns [..., H] in x's dtype.
     """
-    y = switch_mlp(x, inds)
+    return weighted_sum(experts_reference(x, inds, switch_mlp), scores)
+
+
+def weighted_sum(y: mx.array, scores: mx.array) -> mx.array:
+    """mlx-lm's combine of the expert outputs y [..., K, H] (MLX ops)."""
     return (y * scores[..., None]).sum(axis=-2)
 
 
@@ -184,17 +201,6 @@ _EPI_STORE = """
           }
 """
 
-_COMBINE = """
-    // yp: [M * K, H] float32; scores: [M * K] -> y: [M, H]
-    int j = thread_position_in_grid.x;
-    int m = thread_position_in_grid.y;
-    float acc = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      acc += static_cast<float>(scores[m * K + k]) * yp[(m * K + k) * H + j];
-    }
-    y[m * H + j] = static_cast<InT>(acc);
-"""
-
 
 def _weight_names(tag: str, bits: int):
     return [f"{tag}_w"] + ([f"{tag}_s", f"{tag}_z"] if bits else [])
@@ -231,15 +237,6 @@ def _make_matvec(gate_up: bool, bits: int):
     )
 
 
-def _make_combine():
-    return mx.fast.metal_kernel(
-        name="mlx_spec_moe_combine",
-        input_names=["yp", "scores"],
-        output_names=["y"],
-        source=_COMBINE,
-    )
-
-
 def _weights(layer) -> Optional[tuple]:
     """(bits, arrays) of a SwitchLinear (bits 0) / affine QuantizedSwitchLinear."""
     if "bias" in layer:
@@ -259,8 +256,13 @@ def _weights(layer) -> Optional[tuple]:
 
 
 def kernel_plan(x, inds, switch_mlp) -> Optional[tuple]:
-    """(bits, gate, up, down weight lists) when the kernel applies, else None."""
-    if type(switch_mlp) is not SwitchGLU or not isinstance(
+    """(bits, gate, up, down weight lists) when the kernel applies, else None.
+
+    ``switch_mlp``: a ``SwitchGLU`` (or a subclass that keeps its
+    computation, such as ``mlx_spec.fast_layers.FastSwitchGLU``) with the
+    SwiGLU activation and no biases.
+    """
+    if not isinstance(switch_mlp, SwitchGLU) or not isinstance(
         switch_mlp.activation, SwiGLU
     ):
         return None
@@ -301,9 +303,9 @@ def route(inds: mx.array, num_experts: int):
     return order, sorted_e, starts[:n]
 
 
-def moe_kernel(x, inds, scores, plan) -> mx.array:
-    """The three launches. x: [..., H]; inds, scores: [..., K]; ``plan``
-    from ``kernel_plan``. Returns [..., H] in x's dtype."""
+def experts_kernel(x, inds, plan) -> mx.array:
+    """The two launches. x: [..., H]; inds: [..., K]; ``plan`` from
+    ``kernel_plan``. Returns [..., K, H] in x's dtype (as ``SwitchGLU``)."""
     bits, gate, up, down = plan
     H, K = x.shape[-1], inds.shape[-1]
     M = x.size // H
@@ -341,29 +343,26 @@ def moe_kernel(x, inds, scores, plan) -> mx.array:
         output_dtypes=[mx.float32],
         stream=st,
     )
-    k3 = cached_kernel(("moe3",), _make_combine)
-    (y,) = k3(
-        inputs=[yp, scores.reshape(-1)],
-        template=[("InT", x.dtype), ("K", K), ("H", H)],
-        grid=(H, M, 1),
-        threadgroup=(min(H, 256), 1, 1),
-        output_shapes=[(M, H)],
-        output_dtypes=[x.dtype],
-        stream=st,
-    )
-    return y.reshape(x.shape)
+    return yp.reshape(*inds.shape, H).astype(x.dtype)
 
 
-def moe_experts(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp):
-    """Routed-expert output of few tokens; the kernel where the switch allows
-    it. Same arguments and result as ``moe_reference``.
+def moe_kernel(x, inds, scores, plan) -> mx.array:
+    """``experts_kernel`` then mlx-lm's weighted sum (what ``bench-kernels``
+    times against ``moe_reference``). Returns [..., H] in x's dtype."""
+    return weighted_sum(experts_kernel(x, inds, plan), scores)
 
-    x: [..., H]; inds (expert ids), scores (router weights): [..., K].
+
+def moe_experts(x: mx.array, inds: mx.array, switch_mlp) -> mx.array:
+    """``switch_mlp(x, inds)`` of few tokens: the kernel where the switch
+    allows it, else ``SwitchGLU.__call__`` (``experts_reference``).
+
+    x: [..., H]; inds (expert ids): [..., K]. Returns [..., K, H], the
+    output of each (token, expert) pair, in x's dtype.
     """
     from mlx_spec import kernels
 
     def reference():
-        return moe_reference(x, inds, scores, switch_mlp)
+        return experts_reference(x, inds, switch_mlp)
 
     plan = kernel_plan(x, inds, switch_mlp)
     if plan is None:
@@ -373,7 +372,7 @@ def moe_experts(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp):
     family = (x.shape[-1], I, inds.shape[-1], plan[0], x.dtype, plan[1][0].dtype)
     return kernels.dispatch(
         "moe",
-        lambda: moe_kernel(x, inds, scores, plan),
+        lambda: experts_kernel(x, inds, plan),
         reference,
         probe_key=family + (M,),
         family=family,
@@ -393,8 +392,7 @@ def faster_on_family(x, inds, switch_mlp, plan, Ms) -> bool:
         xs = mx.random.normal((1, M, H)).astype(x.dtype)
         logits = mx.random.normal((1, M, E))
         ids = mx.argpartition(logits, kth=-K, axis=-1)[..., -K:]
-        sc = mx.softmax(mx.take_along_axis(logits, ids, -1), -1).astype(x.dtype)
-        mx.eval(xs, ids, sc)
-        kernel_t += time_call(lambda: moe_kernel(xs, ids, sc, plan), 1, 3)
-        reference_t += time_call(lambda: moe_reference(xs, ids, sc, switch_mlp), 1, 3)
+        mx.eval(xs, ids)
+        kernel_t += time_call(lambda: experts_kernel(xs, ids, plan), 1, 3)
+        reference_t += time_call(lambda: experts_reference(xs, ids, switch_mlp), 1, 3)
     return kernel_t < reference_t

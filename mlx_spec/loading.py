@@ -5,16 +5,20 @@ from typing import Any, Optional, Tuple, Union
 
 import mlx_lm
 
+from .fast_layers import enable_fast_layers
 from .gdn import make_verifiable
 from .mtp import attach_mtp_head
 
 
 def prepare_model(model):
-    """Give the model's GDN layers the verify forward (idempotent, in place)."""
+    """Give the model's GDN layers the verify forward and route its attention
+    and experts through the kernel dispatch (idempotent, in place; exactly
+    mlx-lm's computation while kernels are not used)."""
     for layer in model.layers:
         gdn = getattr(layer, "linear_attn", None)
         if gdn is not None:
             make_verifiable(gdn)
+    enable_fast_layers(model)
     return model
 
 

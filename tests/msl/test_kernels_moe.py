@@ -1,11 +1,13 @@
 """The few-token MoE expert kernel (metal_kernels.moe) run by the MSL harness.
 
-Checks: against mlx-lm's ``SwitchGLU`` + weighted sum on the real expert
+Checks: against mlx-lm's ``SwitchGLU`` (the per-(token, expert) outputs
+``[..., K, H]``, no weighted sum) on the real expert
 dims (hidden 2048, expert width 512, top-10 for Qwen3-Next-80B-A3B, top-8 for
 Qwen3.5-35B-A3B; fewer experts than the models have, to keep memory small)
 and tiny odd shapes, for float and mlx affine 4/8-bit weights; a token's
 result does not depend on the other tokens (bit for bit); unsupported
-layers use the reference.
+layers use the reference; ``FastSwitchGLU`` (the class ``enable_fast_layers``
+gives an MoE block's ``SwitchGLU``) runs the kernel.
 """
 
 import mlx.core as mx
@@ -14,7 +16,14 @@ import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from metal_kernels.moe import moe_experts, moe_kernel, kernel_plan, moe_reference
+from metal_kernels.moe import (
+    experts_kernel,
+    experts_reference,
+    kernel_plan,
+    moe_experts,
+    moe_kernel,
+    moe_reference,
+)
 from mlx_spec import kernels
 
 from . import harness
@@ -79,27 +88,50 @@ def test_matches_reference(case):
     sw, exact, x, inds, scores = make_case(*case)
     dtype = case[5]
     assert kernel_plan(x, inds, sw) is not None
-    out = on_harness(moe_experts, x, inds, scores, sw)
-    assert out.shape == x.shape and out.dtype == dtype
+    out = on_harness(moe_experts, x, inds, sw)
+    assert out.shape == inds.shape + (x.shape[-1],) and out.dtype == dtype
     if dtype == mx.float32:
-        assert rel_err(out, moe_reference(x, inds, scores, sw)) < 1e-5
+        assert rel_err(out, experts_reference(x, inds, sw)) < 1e-5
     else:
         # against the exact answer for these weights and inputs
-        want = moe_reference(
-            x.astype(mx.float32), inds, scores.astype(mx.float32), exact
-        )
+        want = experts_reference(x.astype(mx.float32), inds, exact)
         assert rel_err(out, want) < (1e-3 if dtype == mx.float16 else 1e-2)
+    if case == TINY[0]:  # the bench pair: + mlx-lm's weighted sum
+        plan = kernel_plan(x, inds, sw)
+        y = on_harness(moe_kernel, x, inds, scores, plan)
+        assert rel_err(y, moe_reference(x, inds, scores, sw)) < 1e-5
 
 
 def test_tokens_do_not_depend_on_each_other():
     sw, _, x, inds, scores = make_case(5, 64, 64, 3, 2, mx.float16, 4, seed=3)
     plan = kernel_plan(x, inds, sw)
     with harness.use_harness():
-        full = moe_kernel(x, inds, scores, plan)
+        full = experts_kernel(x, inds, plan)
         for m in range(x.shape[1]):
             sl = slice(m, m + 1)
-            one = moe_kernel(x[:, sl], inds[:, sl], scores[:, sl], plan)
+            one = experts_kernel(x[:, sl], inds[:, sl], plan)
             assert mx.array_equal(one[:, 0], full[:, m]), m
+
+
+def test_fast_switch_glu_runs_the_kernel(monkeypatch):
+    from metal_kernels import moe
+    from mlx_spec.fast_layers import FastSwitchGLU
+
+    sw, _, x, inds, _ = make_case(3, 40, 24, 5, 2, mx.float32, 0, seed=4)
+    want = experts_reference(x, inds, sw)
+    sw.__class__ = FastSwitchGLU
+    launches = []
+
+    def counting(*args):
+        launches.append(1)
+        return experts_kernel(*args)
+
+    monkeypatch.setattr(moe, "experts_kernel", counting)
+    out = on_harness(sw, x, inds)
+    assert launches and rel_err(out, want) < 1e-5
+    with kernels.use_mode("off"):
+        assert mx.array_equal(sw(x, inds), want)
+    assert len(launches) == 1
 
 
 def test_unsupported_layers_use_the_reference():
@@ -109,12 +141,11 @@ def test_unsupported_layers_use_the_reference():
     nn.quantize(g32, group_size=32, bits=4)
     many = mx.random.normal((1, 17, 64))
     many_inds = mx.zeros((1, 17, 2), dtype=mx.int32) + mx.array([0, 1])
-    many_scores = mx.ones((1, 17, 2)) / 2
     for layer, args in [
-        (with_bias, (x, inds, scores)),
-        (g32, (x, inds, scores)),
-        (sw, (many, many_inds, many_scores)),
+        (with_bias, (x, inds)),
+        (g32, (x, inds)),
+        (sw, (many, many_inds)),
     ]:
         assert kernel_plan(args[0], args[1], layer) is None
         out = on_harness(moe_experts, *args, layer)
-        assert mx.array_equal(out, moe_reference(*args, layer))
+        assert mx.array_equal(out, experts_reference(*args, layer))
