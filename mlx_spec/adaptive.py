@@ -25,29 +25,35 @@ _PROBE_EVERY = 16
 _profiles: Dict[int, List[float]] = {}
 
 
-def verify_cost_profile(model, max_tokens: int = MAX_AUTO_DRAFT + 1, repeats: int = 5):
+def verify_cost_profile(model, max_tokens: int = MAX_AUTO_DRAFT + 1, repeats: int = 3):
     """Seconds of a target forward over T = 1..max_tokens tokens (cached per model).
 
-    Measured on a scratch cache holding a short random context, after a
-    warm-up; the minimum of ``repeats`` (robust to a busy machine), made
-    non-decreasing in T. Index 0 is T = 1.
+    Measured on a scratch cache holding a short random context (restored
+    after every timed forward), after a warm-up round; the minimum of
+    ``repeats`` rounds (robust to a busy machine), made non-decreasing in T.
+    Index 0 is T = 1.
     """
     key = id(model)
     if key in _profiles and len(_profiles[key]) >= max_tokens:
         return _profiles[key][:max_tokens]
     vocab = model.model.embed_tokens.weight.shape[0] if hasattr(model, "model") else 2
-    context = mx.random.randint(0, vocab, (1, 32))
-    costs = []
-    for T in range(1, max_tokens + 1):
-        tokens = mx.random.randint(0, vocab, (1, T))
-        times = []
-        for _ in range(repeats + 1):
-            cache = make_prompt_cache(model)
-            mx.eval(model(context, cache=cache))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.random.randint(0, vocab, (1, 32)), cache=cache))
+    saved = [c.state for c in cache]
+    best = [float("inf")] * max_tokens
+    for round_ in range(repeats + 1):
+        for T in range(1, max_tokens + 1):
+            tokens = mx.random.randint(0, vocab, (1, T))
+            mx.eval(tokens)
             tic = time.perf_counter()
             mx.eval(model(tokens, cache=cache))
-            times.append(time.perf_counter() - tic)
-        costs.append(max(min(times[1:]), costs[-1] if costs else 0.0))
+            if round_:  # round 0 warms up every shape
+                best[T - 1] = min(best[T - 1], time.perf_counter() - tic)
+            for c, state in zip(cache, saved):
+                c.state = state
+    costs = []
+    for t in best:
+        costs.append(max(t, costs[-1] if costs else 0.0))
     _profiles[key] = costs
     return costs
 

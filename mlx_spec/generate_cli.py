@@ -53,6 +53,8 @@ def setup_parser():
         default="store",
         help="How Gated-DeltaNet layers are rolled back after a verify pass.",
     )
+    # The demo model was trained on Python code.
+    parser.set_defaults(prompt="import os\nimport sys\n\n\ndef main(argv):\n    ")
     for action in parser._actions:
         if action.dest == "model":
             action.help = "Model directory (default: the bundled demo model)."

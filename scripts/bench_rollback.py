@@ -11,6 +11,7 @@ LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -63,22 +64,35 @@ def make_layer(d, dtype):
     return layer
 
 
-def time_step(layer, cache, x, n, repeats):
-    """Median seconds of one verify pass over x [1, T, H] plus commit(n);
+def time_step(layer, cache, x, n):
+    """Seconds of one verify pass over x [1, T, H] plus commit(n);
     ``n=None`` times mlx-lm's own forward (no capture, no rollback)."""
-    times = []
-    for i in range(repeats + 2):
+    mx.eval(cache.cache)
+    tic = time.perf_counter()
+    cache.capturing = n is not None
+    mx.eval(layer(x, cache=cache), cache.cache)
+    if n is not None:
+        cache.commit(n)
         mx.eval(cache.cache)
-        tic = time.perf_counter()
-        cache.capturing = n is not None
-        y = layer(x, cache=cache)
-        mx.eval(y, cache.cache)
-        if n is not None:
-            cache.commit(n)
-            mx.eval(cache.cache)
-        if i >= 2:
-            times.append(time.perf_counter() - tic)
-    return statistics.median(times)
+    return time.perf_counter() - tic
+
+
+STRATEGIES = ("plain", "store", "replay")
+
+
+def measure(layer, x, n, repeats, hidden_size):
+    """Median ms per strategy, the strategies interleaved (A B C A B C ...)."""
+    caches = {}
+    for s in STRATEGIES:
+        caches[s] = GDNSlotCache(9, "store" if s == "plain" else s)
+        layer(mx.random.normal((1, 8, hidden_size)).astype(x.dtype), cache=caches[s])
+    times = {s: [] for s in STRATEGIES}
+    for i in range(repeats + 2):
+        for s in STRATEGIES:
+            t = time_step(layer, caches[s], x, None if s == "plain" else n)
+            if i >= 2:  # warm-up
+                times[s].append(t)
+    return {s: 1e3 * statistics.median(v) for s, v in times.items()}
 
 
 def main():
@@ -95,20 +109,25 @@ def main():
     for T in (2, 4, 9):
         x = mx.random.normal((1, T, d["hidden_size"])).astype(layer.A_log.dtype)
         for n in sorted({1, (T + 1) // 2, T}):
-            res = {"T": T, "n": n}
-            for strategy in ("store", "replay"):
-                cache = GDNSlotCache(max_tokens=9, rollback=strategy)
-                layer(
-                    mx.random.normal((1, 8, d["hidden_size"])).astype(x.dtype),
-                    cache=cache,
-                )
-                res[strategy] = 1e3 * time_step(layer, cache, x, n, args.repeats)
+            res = {
+                "T": T,
+                "n": n,
+                **measure(layer, x, n, args.repeats, d["hidden_size"]),
+            }
             rows.append(res)
-            print(f"{T:>3} {n:>3} {res['store']:>9.3f} {res['replay']:>10.3f}")
+            print(
+                f"{T:>3} {n:>3} {res['plain']:>9.2f} {res['store']:>9.2f} "
+                f"{res['replay']:>10.2f}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"machine": platform.platform(), "dims": args.dims, "rows": rows},
+                {
+                    "machine": platform.platform(),
+                    "dims": args.dims,
+                    "rows": rows,
+                    "ld_preload": os.environ.get("LD_PRELOAD", ""),
+                },
                 f,
                 indent=1,
             )
