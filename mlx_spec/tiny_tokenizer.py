@@ -199,12 +199,14 @@ def build_tokenizer():
     return Tokenizer.from_str(tokenizer_json())
 
 
-def tokenizer_config(max_len: int) -> Dict[str, Any]:
+def tokenizer_config(max_len: int, eos_id: int = EOS_TOKEN_ID) -> Dict[str, Any]:
+    """``tokenizer_config.json`` in the form of the Qwen releases (no chat
+    template), for a tokenizer whose EOS (and pad) is ``<|endoftext|>``."""
     return {
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": {
-            str(EOS_TOKEN_ID): {
+            str(eos_id): {
                 "content": EOS_TOKEN,
                 "lstrip": False,
                 "normalized": False,

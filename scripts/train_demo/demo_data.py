@@ -25,7 +25,9 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-EOS_TOKEN = "<|endoftext|>"
+from mlx_spec import tiny_tokenizer
+
+EOS_TOKEN = tiny_tokenizer.EOS_TOKEN
 EXCLUDED_DIRS = ("site-packages", "test", "tests", "idle_test", "__pycache__")
 
 # Qwen's pre-tokenizer split (the regex of the Qwen3 / Qwen3-Next tokenizer.json).
@@ -151,29 +153,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int):
 
 def tokenizer_config(eos_id: int, max_len: int) -> dict:
     """``tokenizer_config.json`` in the form of the Qwen releases (no chat template)."""
-    return {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(eos_id): {
-                "content": EOS_TOKEN,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-        },
-        "bos_token": None,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": EOS_TOKEN,
-        "errors": "replace",
-        "model_max_length": max_len,
-        "pad_token": EOS_TOKEN,
-        "split_special_tokens": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": None,
-    }
+    return tiny_tokenizer.tokenizer_config(max_len, eos_id=eos_id)
 
 
 def encode_files(tok, texts: Sequence[str]) -> np.ndarray:
