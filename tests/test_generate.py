@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.models import llama, qwen3

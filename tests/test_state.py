@@ -2,7 +2,6 @@
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 import mlx_spec
