@@ -1,6 +1,5 @@
 """Rejection sampling preserves the target distribution."""
 
-
 import mlx.core as mx
 import numpy as np
 import pytest
