@@ -49,15 +49,17 @@ def load_workloads(path=None, kinds=None, tokenizer=None) -> List[dict]:
 
 
 def _stdlib_prompt(row, tokenizer) -> str:
-    """A long prompt: the named standard-library files (of this interpreter),
-    repeated until it holds ``min_prompt_tokens`` tokens, then a new function."""
+    """A long prompt: lines of the named standard-library files (of this
+    interpreter) until it holds ``min_prompt_tokens`` tokens, then a new function."""
     root = Path(sysconfig.get_paths()["stdlib"])
     source = "\n\n".join((root / f).read_text() for f in row["stdlib"])
-    text = source
-    while (
-        tokenizer is not None and len(tokenizer.encode(text)) < row["min_prompt_tokens"]
+    lines, text, used = source.splitlines(), "", 0
+    need = row["min_prompt_tokens"]
+    while used < len(lines) and (
+        tokenizer is None or len(tokenizer.encode(text)) < need
     ):
-        text += "\n\n" + source
+        text += "\n".join(lines[used : used + 20]) + "\n"
+        used += 20
     return text + "\n\n\ndef main(argv=None):\n"
 
 
