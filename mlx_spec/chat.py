@@ -37,7 +37,14 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, args):
         self.model, self.tokenizer, self.args = model, tokenizer, args
-        self.sampler = make_sampler(args.temp, args.top_p, top_k=args.top_k)
+        self.sampler = make_sampler(
+            args.temp,
+            args.top_p,
+            top_k=args.top_k,
+            xtc_probability=args.xtc_probability,
+            xtc_threshold=args.xtc_threshold,
+            xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
+        )
         self.session_stats = SpecStats()
         self.turn_stats = SpecStats()
         self.turn_tps = self.session_tokens = self.session_seconds = 0.0
@@ -160,8 +167,34 @@ def setup_parser():
     )
     p.add_argument("--num-draft-tokens", type=draft_length, default="auto")
     p.add_argument("--max-ngram", type=int, default=3)
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Enable trusting remote code for tokenizer",
+    )
+    p.add_argument(
+        "--adapter-path", help="Optional path for trained adapter weights and config."
+    )
     p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p")
+    p.add_argument(
+        "--xtc-probability",
+        type=float,
+        default=0.0,
+        help="Probability of XTC sampling at each token",
+    )
+    p.add_argument(
+        "--xtc-threshold",
+        type=float,
+        default=0.1,
+        help="Threshold the probabilities must reach for XTC sampling",
+    )
+    p.add_argument(
+        "--max-kv-size",
+        type=int,
+        default=None,
+        help="Not supported with speculative decoding (rotating caches).",
+    )
     p.add_argument("--top-k", type=int, default=0, help="Sampling top-k")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed")
     p.add_argument("--max-tokens", "-m", type=int, default=256)
@@ -179,12 +212,18 @@ def main(argv=None):
     args = setup_parser().parse_args(argv)
     try:
         check_options(args.max_tokens, args.draft or "ngram", args.num_draft_tokens)
+        if args.max_kv_size is not None:
+            raise ValueError("--max-kv-size is not supported with speculative decoding")
     except ValueError as e:
         print(f"mlx_spec chat: {e}", file=sys.stderr)
         return 2
     mx.random.seed(args.seed)
     model_path = args.model or default_model_path()
-    model, tokenizer = load(model_path)
+    model, tokenizer = load(
+        model_path,
+        tokenizer_config={"trust_remote_code": args.trust_remote_code},
+        adapter_path=args.adapter_path,
+    )
     args.draft = args.draft or default_draft(model)
     chat = ChatSession(model, tokenizer, args)
     if args.prompt_cache_file:
