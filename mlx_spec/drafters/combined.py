@@ -81,12 +81,12 @@ class MTPNgramDrafter:
         if not copy:
             return False
         # No MTP row yet (one-token prompt): the copy is the only draft.
-        if rule == "ngram_first" or self.mtp._logits is None:
+        if rule == "ngram_first" or self.mtp.next_logits() is None:
             return True
         long = self.ngram.match_length() >= self.ngram.max_ngram
         if rule == "long" or (rule == "agree_or_long" and long):
             return long
-        return int(mx.argmax(self.mtp._logits).item()) == copy[0]
+        return int(mx.argmax(self.mtp.next_logits()).item()) == copy[0]
 
     def _adaptive(self, copy: List[int], k: int) -> List[int]:
         """Both drafts; at their first difference, the source with the better record."""
@@ -112,7 +112,7 @@ class MTPNgramDrafter:
         if (
             self.rule == "adaptive"
             and copy
-            and self.mtp._logits is not None
+            and self.mtp.next_logits() is not None
             and not sampling
         ):
             out = self._adaptive(copy, k)

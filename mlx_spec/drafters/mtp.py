@@ -22,6 +22,7 @@ import mlx.core as mx
 
 MAX_MTP_DRAFT = 8
 PREFILL_CHUNK = 2048
+PENDING_ROWS = 64  # accepted rows deferred at most before a head forward
 
 
 class MTPDrafter:
@@ -47,6 +48,7 @@ class MTPDrafter:
         self._hm = None  # [1, 1, H]: its post-norm hidden (input of step 2)
         self._draft_rows = 0  # draft-time rows in the cache, trimmed on accept
         self.verified = 0  # rows of verified positions in the cache
+        self._pending = []  # accepted (tokens [L], hidden [L, H]) not yet run
         self.choose = None  # sampling: logits, drafted -> (token, q); None: argmax
         self.draft_probs: Optional[mx.array] = None  # [m, V] q of a sampled draft
 
@@ -57,7 +59,23 @@ class MTPDrafter:
 
     @property
     def offset(self) -> int:
+        """Rows in the head's cache (after catching up on accepted rows)."""
+        self._catch_up()
         return self.cache[0].offset
+
+    def _catch_up(self):
+        """Run the head over the accepted rows that are still pending, in one
+        batched forward. Rows are deferred so that passes without a draft
+        (``auto`` choosing k = 0) cost no head forward at all."""
+        if self._pending:
+            tokens, hidden = zip(*self._pending)
+            self._pending = []
+            self._rows(mx.concatenate(tokens), mx.concatenate(hidden))
+
+    def next_logits(self) -> Optional[mx.array]:
+        """The head's logits [V] for d_1 of the next draft (None: no row yet)."""
+        self._catch_up()
+        return self._logits
 
     def _rows(self, tokens: mx.array, hidden: mx.array):
         """Append verified rows. tokens: [L]; hidden: [L, H]. Keeps the last row."""
@@ -69,6 +87,7 @@ class MTPDrafter:
     def reset(self, prompt_tokens: Sequence[int], hidden: Optional[mx.array]):
         """prompt_tokens: [N]; hidden: [N-1, H] for x_0..x_{N-2} (None if N == 1)."""
         self.cache = self.head.make_cache()
+        self._pending = []
         self.last_draft_logits = None
         self._logits = self._hm = None
         self._draft_rows = self.verified = 0
@@ -96,6 +115,7 @@ class MTPDrafter:
     def state(self) -> List[mx.array]:
         """Arrays to save with a session: the verified cache rows of each
         layer (keys, values; float16) and the last row's post-norm hidden."""
+        self._catch_up()
         if self._hm is None:
             return []
         rows = []
@@ -123,6 +143,7 @@ class MTPDrafter:
         if self._draft_rows:
             raise RuntimeError("draft() called twice without accept()")
         self.draft_probs = None
+        self._catch_up()
         if self._logits is None:
             self.last_draft_logits = None
             return []
@@ -164,5 +185,6 @@ class MTPDrafter:
             raise ValueError(
                 f"accept: {hidden.shape[0]} hidden states for {len(emitted)} tokens"
             )
-        assert self.offset == self.verified, "MTP cache out of step with the target"
-        self._rows(mx.array(list(emitted), dtype=mx.uint32), hidden)
+        self._pending.append((mx.array(list(emitted), dtype=mx.uint32), hidden))
+        if sum(t.size for t, _ in self._pending) >= PENDING_ROWS:
+            self._catch_up()  # bounds the hidden states held
