@@ -66,6 +66,9 @@ class MTPNgramDrafter:
         self.score = {"mtp": 0.0, "ngram": 0.0}
         self._divergence = None
 
+    def catch_up(self):
+        self.mtp.catch_up()
+
     @property
     def state(self) -> List[mx.array]:
         return self.mtp.state  # the n-gram index follows the history
