@@ -19,6 +19,7 @@ import time
 
 import mlx.core as mx
 
+from .adaptive import MAX_AUTO_DRAFT
 from .decode import SpeculativeDecoder, speculative_generate_step
 from .demo import default_model_path
 from .drafters import DRAFTS, default_draft, make_drafter
@@ -54,7 +55,8 @@ class ChatSession:
         args = self.args
         draft = args.draft or default_draft(self.model)
         drafter = make_drafter(draft, self.model, max_ngram=args.max_ngram)
-        max_draft = 8 if args.num_draft_tokens == "auto" else args.num_draft_tokens
+        auto = args.num_draft_tokens == "auto"
+        max_draft = MAX_AUTO_DRAFT if auto else args.num_draft_tokens
         self.decoder = SpeculativeDecoder(
             self.model,
             drafter,

@@ -43,10 +43,6 @@ class Target:
         if getattr(model, "model_type", None) in _SPLIT_MODEL_TYPES:
             self.head = _lm_head(model)
 
-    @property
-    def has_hidden(self) -> bool:
-        return self.head is not None
-
     def hidden(self, tokens: mx.array) -> Optional[mx.array]:
         """Advance the caches over ``tokens`` [T]; hidden: [T, H] (lazy) or None."""
         if self.head is None:

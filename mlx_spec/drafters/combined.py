@@ -105,10 +105,7 @@ class MTPNgramDrafter:
         return copy if take_copy else ours
 
     def draft(self, k: int) -> List[int]:
-        if not isinstance(k, int) or not 1 <= k <= self.mtp.max_draft:
-            raise ValueError(
-                f"MTP drafts 1..{self.mtp.max_draft} tokens per step, got k={k!r}"
-            )
+        self.mtp.check_draft_length(k)
         self._divergence = None
         copy = self.ngram.draft(k)
         sampling = self.mtp.choose is not None

@@ -52,6 +52,13 @@ class MTPDrafter:
         self.choose = None  # sampling: logits, drafted -> (token, q); None: argmax
         self.draft_probs: Optional[mx.array] = None  # [m, V] q of a sampled draft
 
+    def check_draft_length(self, k):
+        """ValueError unless 1 <= k <= max_draft (one MTP layer, reused per step)."""
+        if not isinstance(k, int) or not 1 <= k <= self.max_draft:
+            raise ValueError(
+                f"MTP drafts 1..{self.max_draft} tokens per step, got k={k!r}"
+            )
+
     def set_sampling(self, choose):
         """Sample drafts with ``choose`` (see ``sampling.make_draft_sampler``);
         None drafts the argmax."""
@@ -142,10 +149,7 @@ class MTPDrafter:
 
     def draft(self, k: int) -> List[int]:
         """Up to ``k`` (1..8) greedy tokens after the pending token."""
-        if not isinstance(k, int) or not 1 <= k <= self.max_draft:
-            raise ValueError(
-                f"MTP drafts 1..{self.max_draft} tokens per step, got k={k!r}"
-            )
+        self.check_draft_length(k)
         if self._draft_rows:
             raise RuntimeError("draft() called twice without accept()")
         self.draft_probs = None
