@@ -5,9 +5,10 @@ A verify pass runs the target once over ``T = 1 + drafts`` tokens. Afterwards
 first ``n`` of those tokens would have left it, without a second forward pass:
 
 - attention layers (``KVCache`` and friends) are trimmed;
-- Gated-DeltaNet layers restore their conv window and recurrent state from a
-  slot pool that the verify pass filled. The pool is allocated once, on the
-  first verify pass, with ``max_draft + 1`` slots, and reused every step.
+- Gated-DeltaNet layers restore their conv window and recurrent state from
+  what the verify pass captured: the states after each of its ``T`` tokens
+  (at most ``max_draft + 1``), held only until ``commit`` picks one, so a
+  long generation holds no more than one pass's worth.
 
 Two GDN rollback strategies are implemented (see ``scripts/bench_rollback.py``):
 ``"store"`` keeps the recurrent state after every verified token and rollback
@@ -28,9 +29,15 @@ ROLLBACK_STRATEGIES = ("store", "replay")
 
 
 class GDNSlotCache(ArraysCache):
-    """The ``[conv_state, ssm_state]`` cache of one GDN layer, plus a slot pool.
+    """The ``[conv_state, ssm_state]`` cache of one GDN layer, able to roll a
+    verify pass back to any of its tokens.
 
-    Outside a verify pass it is an ordinary mlx-lm ``ArraysCache``.
+    Outside a verify pass it is an ordinary mlx-lm ``ArraysCache``. During a
+    pass it holds references to what rollback needs (the conv input and the
+    per-token states, or the recurrence inputs for replay); ``commit`` picks
+    the kept prefix and drops them all, so nothing survives from one pass to
+    the next: no graph of an earlier pass stays reachable (MLX is lazy, and a
+    buffer written into but never read keeps every earlier write alive).
     """
 
     def __init__(self, max_tokens: int, rollback: str = "store"):
@@ -38,10 +45,7 @@ class GDNSlotCache(ArraysCache):
         self.max_tokens = max_tokens
         self.rollback = rollback
         self.capturing = False
-        self.conv_pool = None  # [B, K-1+max_tokens, C]: conv input of a verify
-        self.state_pool = None  # store: [max_tokens, B, Hv, Dv, Dk] float32
-        self._verified = 0
-        self._replay = None  # replay: (pre-verify state, inputs, mask)
+        self._pass = None  # (T, conv_input [B, K-1+T, C], slots or replay inputs)
 
     @classmethod
     def wrap(cls, cache: ArraysCache, max_tokens: int, rollback: str):
@@ -51,9 +55,14 @@ class GDNSlotCache(ArraysCache):
         return new
 
     @property
-    def pool_nbytes(self) -> int:
-        pools = (self.conv_pool, self.state_pool)
-        return sum(p.nbytes for p in pools if p is not None)
+    def rollback_nbytes(self) -> int:
+        """Bytes held for rollback now: at most ``max_tokens`` states during a
+        verify pass, none between passes."""
+        if self._pass is None:
+            return 0
+        _, conv_input, saved = self._pass
+        arrays = [conv_input] + [a for a in _flatten(saved) if a is not None]
+        return sum(a.nbytes for a in arrays)
 
     def verify_recurrence(self, conv_input: mx.array, gdn_inputs, mask) -> mx.array:
         """Run the verify recurrence and capture what rollback needs.
@@ -64,58 +73,46 @@ class GDNSlotCache(ArraysCache):
         T = gdn_inputs[0].shape[1]
         if T > self.max_tokens:
             raise ValueError(
-                f"verify pass of {T} tokens exceeds the slot pool ({self.max_tokens})"
+                f"verify pass of {T} tokens exceeds the rollback slots ({self.max_tokens})"
             )
-        n_keep = conv_input.shape[1] - T
-        if self.conv_pool is None:
-            B, _, C = conv_input.shape
-            self.conv_pool = mx.zeros(
-                (B, n_keep + self.max_tokens, C), conv_input.dtype
-            )
-        self.conv_pool[:, : n_keep + T] = conv_input
-
         pre_state = self[1]
         store = self.rollback == "store"
-        y, states = gated_delta_steps(
-            *gdn_inputs, pre_state, mask, keep_states=store, n_slots=self.max_tokens
-        )
-        if store and isinstance(states, mx.array):
-            # the Metal kernel wrote the states in the pool layout
-            # [max_tokens, B, Hv, Dv, Dk] (slots >= T unused until rewritten)
-            self.state_pool = states
-            final = states[T - 1]
-        elif store:
-            if self.state_pool is None:
-                shape = (self.max_tokens,) + states[0].shape
-                self.state_pool = mx.zeros(shape, states[0].dtype)
-            for t, s in enumerate(states):
-                self.state_pool[t] = s
-            final = states[-1]
+        y, states = gated_delta_steps(*gdn_inputs, pre_state, mask, keep_states=store)
+        if store:  # states: T per-token states, slot t = after token t
+            final, saved = states[T - 1], states
         else:
-            self._replay = (pre_state, gdn_inputs, mask)
-            final = states
+            final, saved = states, (pre_state, gdn_inputs, mask)
+        self._pass = (T, conv_input, saved)
+        n_keep = conv_input.shape[1] - T
         self[0] = mx.contiguous(conv_input[:, -n_keep:])
         self[1] = final
         self.advance(T)
-        self._verified = T
         return y
 
     def commit(self, n: int):
         """Keep the first ``n`` tokens of the last verify pass (1 <= n <= T)."""
         self.capturing = False
-        T, self._verified = self._verified, 0
-        replay, self._replay = self._replay, None
+        T, conv_input, saved = self._pass
+        self._pass = None
         if n == T:
             return
-        n_keep = self.conv_pool.shape[1] - self.max_tokens
-        self[0] = self.conv_pool[:, n : n + n_keep]
+        n_keep = conv_input.shape[1] - T
+        self[0] = mx.contiguous(conv_input[:, n : n + n_keep])
         if self.rollback == "store":
-            self[1] = self.state_pool[n - 1]
+            self[1] = saved[n - 1]
         else:
-            pre_state, inputs, mask = replay
+            pre_state, inputs, mask = saved
             prefix = [x[:, :n] for x in inputs[:5]] + list(inputs[5:])
             mask = None if mask is None else mask[:, :n]
             _, self[1] = gated_delta_steps(*prefix, pre_state, mask, keep_states=False)
+
+
+def _flatten(tree):
+    if isinstance(tree, (list, tuple)):
+        for item in tree:
+            yield from _flatten(item)
+    else:
+        yield tree
 
 
 class SpeculativeCache:
@@ -178,9 +175,9 @@ class SpeculativeCache:
         return position - offset
 
     @property
-    def pool_nbytes(self) -> int:
-        """Bytes held by the GDN slot pools (constant once allocated)."""
-        return sum(c.pool_nbytes for c in self.gdn)
+    def rollback_nbytes(self) -> int:
+        """Bytes the GDN layers hold for rollback (none between passes)."""
+        return sum(c.rollback_nbytes for c in self.gdn)
 
     def begin(self, T: int):
         """Prepare a verify pass over ``T`` tokens (T == 1 needs no capture)."""
