@@ -71,6 +71,7 @@ class SpeculativeDecoder:
         self.processed = 0  # history[:processed] is in the target's caches
         self.last_hidden = None  # [1, H]: hidden of history[-1] once processed
         self.drafted, self.draft_seconds = 0, 0.0
+        self._verified = None  # (drafted, accepted, hidden) until commit
 
     def _quantize(self):
         kv_bits, group_size, start = self.kv
@@ -120,25 +121,24 @@ class SpeculativeDecoder:
             return self.max_draft
         return min(self.max_draft, self.cache.tokens_before(start) - 1)
 
-    def step(
+    def verify(
         self,
         k: int,
         sampler,
         processors=None,
         history: Optional[List[int]] = None,
-        stop_tokens: Collection[int] = (),
         clock: Optional[PhaseClock] = None,
     ) -> Tuple[List[int], mx.array, int]:
-        """One verify pass with up to ``k`` drafts.
+        """One verify pass with up to ``k`` drafts; :meth:`commit` must follow.
 
         Returns ``(emitted, logprobs [T, V], n_accepted)``: the accepted
-        drafts and the target's next token. A stop token among them ends the
-        list there, and the state is left exactly as plain decoding leaves it
-        after emitting that token. ``history`` (default: the whole history) is
-        what logits processors see.
+        drafts and the target's next token. ``history`` (default: the whole
+        history) is what logits processors see.
         """
         if not self.pending:
             raise ValueError("nothing to decode from: feed tokens first")
+        if self._verified is not None:
+            raise RuntimeError("verify() called twice without commit()")
         clock = clock or PhaseClock(self.stats)
         if k > 0 and hasattr(self.drafter, "catch_up"):
             # Deferred drafter work is paid whatever k is: keep it out of the
@@ -156,30 +156,38 @@ class SpeculativeDecoder:
         logprobs = _score(logits, seen, draft, processors)
         q = getattr(self.drafter, "draft_probs", None) if draft else None
         n, token = verify_draft(draft, logprobs, sampler, q)  # the one host sync
-        emitted = draft[:n] + [token]
         clock.lap("sampling")
+        self._verified = (len(draft), n, hidden)
+        return draft[:n] + [token], logprobs, n
 
-        stop = next((i for i, t in enumerate(emitted) if t in stop_tokens), None)
-        through_stop = stop is not None and stop < n
-        if through_stop:
-            # The stop token is an accepted draft, so the target has already
-            # processed it (as plain decoding has): keep inputs up to it.
-            emitted = emitted[: stop + 1]
-        kept = len(emitted) + through_stop
+    def commit(
+        self,
+        tokens: List[int],
+        process_last: bool = False,
+        clock: Optional[PhaseClock] = None,
+    ):
+        """Keep ``tokens``, a non-empty prefix of what :meth:`verify` emitted.
+
+        Every layer, the drafter and the history are left as plain decoding
+        leaves them after emitting ``tokens``; the last one stays pending,
+        unless ``process_last`` and the pass already processed it (it was an
+        accepted draft, as when a stop token ends the generation).
+        """
+        drafted, n, hidden = self._verified
+        self._verified = None
+        j = len(tokens)
+        kept = j + (process_last and j <= n)  # inputs [pending, d1..] kept
         self.cache.commit(kept)
         self._quantize()
-        clock.lap("commit", [c.state for c in self.cache.caches])
-
-        self.stats.record(len(draft), n, len(emitted))
+        if clock is not None:
+            clock.lap("commit", [c.state for c in self.cache.caches])
+        self.stats.record(drafted, min(n, j), j)
         if self.drafter is not None:
-            self.drafter.accept(
-                emitted, None if hidden is None else hidden[: len(emitted)]
-            )
-        self.history += emitted
-        self.processed = len(self.history) - (not through_stop)
-        if through_stop and hidden is not None:
+            self.drafter.accept(tokens, None if hidden is None else hidden[:j])
+        self.history += tokens
+        self.processed = len(self.history) - (kept == j)
+        if kept > j and hidden is not None:
             self.last_hidden = hidden[kept - 1 : kept]
-        return emitted, logprobs, n
 
 
 def speculative_generate_step(
@@ -188,6 +196,7 @@ def speculative_generate_step(
     drafter,
     *,
     num_draft_tokens: Union[int, str] = 3,
+    verify_costs: Optional[List[float]] = None,
     max_tokens: int = 256,
     sampler: Optional[Callable[[mx.array], mx.array]] = None,
     logits_processors: Optional[List[Callable]] = None,
@@ -195,6 +204,7 @@ def speculative_generate_step(
     stop_tokens: Collection[int] = (),
     decoder: Optional[SpeculativeDecoder] = None,
     should_stop: Callable[[], bool] = lambda: False,
+    flush: bool = False,
     timing: bool = False,
     stats: Optional[SpecStats] = None,
     **decoder_args,
@@ -202,12 +212,15 @@ def speculative_generate_step(
     """Yield ``(token, logprobs [V], from_draft)`` like mlx-lm's ``generate_step``.
 
     prompt: [N] token ids. Each iteration drafts up to ``num_draft_tokens``
-    tokens (``"auto"``: chosen per pass by :class:`DraftLengthPolicy`),
-    verifies ``[last, *draft]`` in one target pass, keeps the longest prefix
+    tokens (``"auto"``: chosen per pass by :class:`DraftLengthPolicy` from
+    ``verify_costs``, measured here when not given),
+    verifies ``[last, *draft]`` in one target pass, yields the longest prefix
     the target agrees with plus the target's own next token, and rolls every
-    cache back to that prefix. Generation stops after a ``stop_tokens`` token
-    or ``max_tokens`` tokens, or after the pass during which ``should_stop()``
-    became true. ``decoder`` continues an earlier generation (chat);
+    cache back to what was yielded (also when the caller stops early).
+    Generation stops after a ``stop_tokens`` token or ``max_tokens`` tokens,
+    or after the pass during which ``should_stop()`` became true. ``decoder``
+    continues an earlier generation (chat); ``flush`` processes the last
+    token at the end, as mlx-lm does (the caches then hold every token);
     ``timing`` fills ``stats.phases`` (at the cost of extra syncs).
     """
     auto = num_draft_tokens == "auto"
@@ -216,7 +229,10 @@ def speculative_generate_step(
         decoder = SpeculativeDecoder(
             model, drafter, max_draft, stats=stats, **decoder_args
         )
-    policy = DraftLengthPolicy(verify_cost_profile(model)) if auto else None
+    if auto:
+        policy = DraftLengthPolicy(verify_costs or verify_cost_profile(model))
+    else:
+        policy = None
     sampler = sampler or make_sampler(0.0)
     stats, progress = decoder.stats, prompt_progress_callback or (lambda *_: None)
 
@@ -229,21 +245,35 @@ def speculative_generate_step(
     progress(0, len(tokens))
     decoder.feed(tokens, lambda n: progress(n, len(tokens)))
     clock = PhaseClock(stats, timing)
-    produced = 0
-    while produced < max_tokens:
-        clock.lap("host")
-        room = min(max_draft, max_tokens - produced - 1, decoder.draft_room())
-        k = policy.choose(room) if policy else room
-        emitted, logprobs, n = decoder.step(
-            k, sampler, logits_processors, history, stop_tokens, clock
-        )
-        if policy:
-            policy.update(decoder.drafted, n, decoder.draft_seconds)
-        if produced == 0:
-            progress(len(tokens), len(tokens))
-        for i, token in enumerate(emitted):
-            yield token, logprobs[i], i < n
-        history += emitted
-        produced += len(emitted)
-        if emitted[-1] in stop_tokens or should_stop():
-            return
+    produced, done = 0, False
+    try:  # a caller that stops early closes us at a yield: GeneratorExit
+        while not done:
+            clock.lap("host")
+            room = min(max_draft, max_tokens - produced - 1, decoder.draft_room())
+            k = policy.choose(room) if policy else room
+            emitted, logprobs, n = decoder.verify(
+                k, sampler, logits_processors, history, clock
+            )
+            if policy:
+                policy.update(decoder.drafted, n, decoder.draft_seconds)
+            if produced == 0:
+                progress(len(tokens), len(tokens))
+            stop = next((i for i, t in enumerate(emitted) if t in stop_tokens), None)
+            emitted = emitted if stop is None else emitted[: stop + 1]
+            produced += len(emitted)
+            done = stop is not None or produced >= max_tokens or should_stop()
+            yielded = []
+            try:
+                for i, token in enumerate(emitted):
+                    yielded.append(token)
+                    yield token, logprobs[i], i < n
+            finally:  # also when the caller stops early: keep what it saw
+                ends = done or len(yielded) < len(emitted)
+                decoder.commit(yielded, process_last=ends, clock=clock)
+            history += emitted
+    except GeneratorExit:
+        if flush:
+            decoder.flush()
+        raise
+    if flush:
+        decoder.flush()

@@ -1,5 +1,6 @@
 """mlx-lm compatible ``stream_generate`` / ``generate`` with speculative decoding."""
 
+import numbers
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Union
@@ -13,7 +14,9 @@ from mlx_lm.generate import (
 )
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .adaptive import verify_cost_profile
 from .decode import MAX_DRAFT_TOKENS, speculative_generate_step
+from .state import ROLLBACK_STRATEGIES
 from .drafters import DRAFTS, default_draft, make_drafter
 from .drafters.mtp import MAX_MTP_DRAFT
 from .stats import SpecStats
@@ -29,17 +32,44 @@ class SpecGenerationResponse(GenerationResponse):
     stats: Optional[SpecStats] = None
 
 
-def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
+def vocab_size(model) -> int:
+    """Rows of the model's input embedding: the ids it can take."""
+    owner = getattr(model, "language_model", model)
+    return owner.model.embed_tokens.weight.shape[0]
+
+
+def check_token_ids(ids: List[int], vocab: int):
+    """``ValueError`` naming the first id outside ``0..vocab-1``."""
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(
+            f"token id {bad} is outside the model's vocabulary of {vocab} ids (0..{vocab - 1})"
+        )
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _encode(model, tokenizer: TokenizerWrapper, prompt) -> mx.array:
+    """The prompt as [N] uint32 ids, checked against the model's vocabulary."""
     if isinstance(prompt, str):
         bos = tokenizer.bos_token
         prompt = tokenizer.encode(
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
         )
-    prompt = mx.array(prompt) if not isinstance(prompt, mx.array) else prompt
+    if not isinstance(prompt, mx.array):
+        bad = next((t for t in prompt if not _is_id(t)), None)
+        if bad is not None:
+            raise ValueError(f"token ids must be integers, got {bad!r}")
+        prompt = mx.array(prompt, mx.int64) if prompt else mx.array([])
     if prompt.ndim != 1 or prompt.size == 0:
         raise ValueError(
             f"prompt must be a non-empty 1-D sequence of token ids, got shape {prompt.shape}"
         )
+    if not mx.issubdtype(prompt.dtype, mx.integer):
+        raise ValueError(f"token ids must be integers, got an array of {prompt.dtype}")
+    check_token_ids(prompt.tolist(), vocab_size(model))
     return prompt.astype(mx.uint32)
 
 
@@ -47,8 +77,12 @@ def _is_drafter(draft) -> bool:
     return all(callable(getattr(draft, m, None)) for m in ("reset", "draft", "accept"))
 
 
-def check_options(max_tokens, draft, num_draft_tokens: int):
+def check_options(max_tokens, draft, num_draft_tokens, rollback="store"):
     """Raise ``ValueError`` naming the bad value; called before any state changes."""
+    if rollback not in ROLLBACK_STRATEGIES:
+        raise ValueError(
+            f"unknown rollback strategy {rollback!r}; use one of {ROLLBACK_STRATEGIES}"
+        )
     if not isinstance(max_tokens, int) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     if not (draft in DRAFTS if isinstance(draft, str) else _is_drafter(draft)):
@@ -97,7 +131,7 @@ def stream_generate(
     (or ``num_draft_tokens=0``) is plain mlx-lm decoding.
     """
     draft = default_draft(model) if draft is None else draft
-    check_options(max_tokens, draft, num_draft_tokens)
+    check_options(max_tokens, draft, num_draft_tokens, kwargs.get("rollback", "store"))
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if kwargs.pop("draft_model", None) is not None:
@@ -105,7 +139,7 @@ def stream_generate(
             "draft_model is not supported by mlx_spec; use draft='ngram' "
             "(or mlx_lm.stream_generate for a separate draft model)"
         )
-    prompt = _encode(tokenizer, prompt)
+    prompt = _encode(model, tokenizer, prompt)
     stats = SpecStats() if stats is None else stats
     if num_draft_tokens == 0:
         drafter = None
@@ -115,6 +149,7 @@ def stream_generate(
         drafter = draft
     stream = kwargs.pop("stream", generation_stream)
     kwargs.pop("num_draft_tokens", None)
+    rollback = kwargs.pop("rollback", "store")
     kwargs["max_tokens"] = max_tokens
 
     if drafter is None or num_draft_tokens == 0:
@@ -129,6 +164,11 @@ def stream_generate(
             )
         for k in _PLAIN_ONLY:
             kwargs.pop(k, None)
+        costs = None
+        if num_draft_tokens == "auto":  # timed apart from the prompt
+            tic = time.perf_counter()
+            costs = verify_cost_profile(model)
+            stats.profile_seconds = time.perf_counter() - tic
         tokens = _on_stream(
             stream,
             speculative_generate_step(
@@ -136,9 +176,13 @@ def stream_generate(
                 model,
                 drafter,
                 num_draft_tokens=num_draft_tokens,
+                verify_costs=costs,
                 stats=stats,
                 timing=timing,
                 stop_tokens=tokenizer.eos_token_ids,
+                rollback=rollback,
+                # mlx-lm leaves a caller's cache holding every token it yielded
+                flush=kwargs.get("prompt_cache") is not None,
                 **kwargs,
             ),
         )
@@ -146,18 +190,27 @@ def stream_generate(
 
 
 def _on_stream(stream, generator):
-    """Run each step of ``generator`` with ``stream`` as the default stream."""
-    while True:
+    """Run each step of ``generator`` (and its closing) with ``stream`` as the
+    default stream."""
+    try:
+        while True:
+            with mx.stream(stream):
+                try:
+                    item = next(generator)
+                except StopIteration:
+                    return
+            yield item
+    finally:
         with mx.stream(stream):
-            try:
-                item = next(generator)
-            except StopIteration:
-                return
-        yield item
+            generator.close()
 
 
 def _responses(model, tokenizer, prompt, tokens, max_tokens, stream, stats):
-    """Detokenize and time ``(token, logprobs, from_draft)`` like mlx-lm does."""
+    """Detokenize and time ``(token, logprobs, from_draft)`` like mlx-lm does.
+
+    ``tokens`` is closed before the last response (and when the caller stops
+    early), so the caches hold exactly the tokens that were yielded.
+    """
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     eos = tokenizer.eos_token_ids
@@ -178,20 +231,24 @@ def _responses(model, tokenizer, prompt, tokens, max_tokens, stream, stats):
         )
 
     with wired_limit(model, [stream]):
-        tic = time.perf_counter()
-        for n, (token, logprobs, from_draft) in enumerate(tokens):
-            if n == 0:
-                prompt_tps = prompt.size / (time.perf_counter() - tic)
-                tic = time.perf_counter()
-            if token in eos:
-                break
-            detokenizer.add_token(token)
-            if n + 1 == max_tokens:
-                break
-            yield response(token, logprobs, from_draft, n)
-        detokenizer.finalize()
-        reason = "stop" if token in eos else "length"
-        yield response(token, logprobs, from_draft, n, reason)
+        try:
+            tic = time.perf_counter()
+            for n, (token, logprobs, from_draft) in enumerate(tokens):
+                if n == 0:
+                    prompt_tps = prompt.size / (time.perf_counter() - tic)
+                    tic = time.perf_counter()
+                if token in eos:
+                    break
+                detokenizer.add_token(token)
+                if n + 1 == max_tokens:
+                    break
+                yield response(token, logprobs, from_draft, n)
+            tokens.close()
+            detokenizer.finalize()
+            reason = "stop" if token in eos else "length"
+            yield response(token, logprobs, from_draft, n, reason)
+        finally:
+            tokens.close()
 
 
 def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
@@ -217,6 +274,11 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
             f"Generation: {response.generation_tokens} tokens, "
             f"{response.generation_tps:.3f} tokens-per-sec"
         )
+        if stats.profile_seconds:
+            print(
+                f"Verify-cost profile: measured in {stats.profile_seconds:.3f} s "
+                "(once per machine, MLX version and model)"
+            )
         if stats.verify_passes:
             print(stats.summary())
         print(f"Peak memory: {response.peak_memory:.3f} GB")

@@ -19,6 +19,7 @@ class SpecStats:
     accepted_at: List[int] = field(default_factory=list)
     passes_by_tokens: Dict[int, int] = field(default_factory=dict)  # T -> passes
     phases: Dict[str, float] = field(default_factory=dict)  # seconds (timing on)
+    profile_seconds: float = 0.0  # measuring the verify-cost profile (auto)
 
     def record(self, n_drafted: int, n_accepted: int, n_emitted: int):
         self.verify_passes += 1

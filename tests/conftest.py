@@ -3,6 +3,7 @@
 import random
 
 import mlx.core as mx
+import mlx_lm
 import pytest
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 
@@ -20,6 +21,13 @@ def checkpoint_dirs(tmp_path_factory):
 def models(checkpoint_dirs):
     """family -> (model, tokenizer), loaded once per session through mlx_spec.load."""
     return {f: mlx_spec.load(p) for f, p in checkpoint_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def plain_models(checkpoint_dirs):
+    """family -> (model, tokenizer) loaded by mlx-lm alone: the references
+    run exactly mlx-lm's code, never anything mlx_spec installs."""
+    return {f: mlx_lm.load(str(p)) for f, p in checkpoint_dirs.items()}
 
 
 @pytest.fixture(params=FAMILIES)

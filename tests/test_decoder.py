@@ -123,4 +123,4 @@ def test_feed_rejects_empty_and_step_needs_tokens(models):
     with pytest.raises(ValueError, match="empty"):
         decoder.feed([])
     with pytest.raises(ValueError, match="feed tokens first"):
-        decoder.step(0, None)
+        decoder.verify(0, None)
