@@ -274,3 +274,32 @@ def test_seeded_runs_reproduce(models, copy_prompt):
 
     assert run(3) == run(3)
     assert run(3) != run(4)
+
+
+def test_mtp_ngram_samples_its_mtp_drafts(predictive_model):
+    """While sampling, mtp+ngram's MTP drafts are drawn from the head's q (not
+    its argmax), and the verifier gets that q: not one-hot at temperature 1."""
+    drafter = make_drafter("mtp+ngram", predictive_model)
+    sampler = Sampler(temp=1.0, top_k=TOP_K)
+    mx.random.seed(0)
+    seen = []
+    original = drafter.draft
+
+    def draft(k):
+        out = original(k)
+        if out and drafter.last_draft_source == "mtp":
+            seen.append(drafter.draft_probs)
+        return out
+
+    drafter.draft = draft
+    steps = speculative_generate_step(
+        mx.array(prompts("random", seed=5)),
+        predictive_model,
+        drafter,
+        num_draft_tokens=3,
+        max_tokens=30,
+        sampler=sampler,
+    )
+    list(steps)
+    assert seen and all(q is not None for q in seen)
+    assert any(mx.max(q).item() < 0.99 for q in seen)  # a distribution, not one-hot

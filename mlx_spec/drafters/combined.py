@@ -52,6 +52,17 @@ class MTPNgramDrafter:
         self.score = {"mtp": 0.0, "ngram": 0.0}
         self._divergence = None  # (j, copy[j], mtp[j]): first difference
 
+    def set_sampling(self, choose):
+        """Sample MTP drafts with ``choose`` (None: the head's argmax); copies
+        stay deterministic."""
+        self.mtp.set_sampling(choose)
+
+    @property
+    def draft_probs(self) -> Optional[mx.array]:
+        """q [m, V] of the last draft when the head sampled it; None for a
+        deterministic draft (a copy, or the head's argmax)."""
+        return self.mtp.draft_probs if self.last_draft_source == "mtp" else None
+
     @property
     def last_draft_logits(self) -> Optional[mx.array]:
         """MTP logits [m, V] of the last draft; None for an n-gram draft."""
