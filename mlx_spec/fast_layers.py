@@ -1,38 +1,37 @@
-"""Route mlx-lm's Qwen3-Next / Qwen3.5 layers through the custom kernels,
-without copying any of mlx-lm's forward passes.
+"""Route the Qwen3-Next / Qwen3.5 layers of models mlx_spec loaded through
+the custom kernels, without copying any of mlx-lm's forward passes and
+without touching any other model in the process.
 
-``enable_fast_layers(model)`` hooks two calls that mlx-lm's own forwards
-make, in place and idempotently:
+``enable_fast_layers(model)`` swaps, in place and idempotently, the class of
+two kinds of module in ``model`` (and in an MTP head attached as
+``model.mtp_head``, which lives outside the module tree):
 
 * **Routed experts.** ``Qwen3NextSparseMoeBlock.__call__`` (also Qwen3.5's
   and the MTP head's MoE block) computes ``y = self.switch_mlp(x, inds)``, a
   ``SwitchGLU`` giving each (token, expert) pair's output ``[..., K, H]``,
-  then the score-weighted sum itself. The class of each such ``switch_mlp``
-  (in ``model``'s module tree and in an MTP head attached as
-  ``model.mtp_head``, which lives outside the tree) becomes
+  then the score-weighted sum itself. Each such ``switch_mlp`` becomes a
   :class:`FastSwitchGLU`, whose ``__call__`` is
   :func:`metal_kernels.moe.moe_experts`: the expert kernel where the switch
-  allows it, otherwise ``SwitchGLU.__call__`` itself. Parameters are kept.
+  allows it, otherwise ``SwitchGLU.__call__`` itself.
 * **Attention.** ``Qwen3NextAttention.__call__`` (Qwen3.5 and the MTP head
-  use the same class) calls the module-level name
-  ``scaled_dot_product_attention`` of ``mlx_lm.models.qwen3_next`` (imported
-  there from ``mlx_lm.models.base``). Because the call goes through that
-  module global, not through anything on the layer, rebinding the global is
-  the one place to reroute it without forking the layer: the install replaces
-  it (once per process) by :func:`scaled_dot_product_attention` below, which
-  keeps a reference to the original. It only affects code that looks the name
-  up in ``mlx_lm.models.qwen3_next``; ``mlx_lm.models.base`` and every other
-  model keep mlx-lm's function.
+  use the same class) calls the name ``scaled_dot_product_attention``, a
+  global of ``mlx_lm.models.qwen3_next``. :class:`FastAttention`'s
+  ``__call__`` is that very function (mlx-lm's code object, not a copy)
+  bound to a namespace in which the name resolves to the dispatcher
+  :func:`scaled_dot_product_attention` below. mlx-lm's module is never
+  modified, so every other model keeps mlx-lm's function.
 
 With ``MLX_SPEC_KERNELS=off``, without Metal, or for shapes the kernels do
-not take, both hooks run mlx-lm's own code (``SwitchGLU.__call__``, the
-original attention function) with the same arguments, so results are
-mlx-lm's bit for bit.
+not take, both run mlx-lm's own code (``SwitchGLU.__call__``, mlx-lm's
+attention function) with the same arguments, so results are mlx-lm's bit
+for bit. Parameters are kept.
 """
 
+import types
+
 import mlx.core as mx
-from mlx_lm.models import base, qwen3_next
-from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+from mlx_lm.models import qwen3_next
+from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from metal_kernels.attention import mtp_attention, verify_attention
@@ -57,8 +56,9 @@ class FastSwitchGLU(SwitchGLU):
 
 # -- attention ---------------------------------------------------------------
 
-# The function the install replaced (mlx-lm's, which the global names now).
-_original_sdpa = base.scaled_dot_product_attention
+# mlx-lm's attention function, as qwen3_next's attention layer names it.
+_mlx_lm_sdpa = qwen3_next.scaled_dot_product_attention
+_SDPA_NAME = "scaled_dot_product_attention"
 
 
 def _is_mtp_cache(cache) -> bool:
@@ -90,8 +90,8 @@ def _stored_rows(cache, keys, values):
 def scaled_dot_product_attention(
     queries, keys, values, cache, scale: float, mask, sinks=None
 ):
-    """What ``mlx_lm.models.qwen3_next.scaled_dot_product_attention`` is once
-    installed; same arguments and result as mlx-lm's function.
+    """The attention function :class:`FastAttention` layers call; same
+    arguments and result as mlx-lm's.
 
     When kernels may run (``MLX_SPEC_KERNELS`` and Metal) and there are no
     attention sinks: over an MTP head's ``MTPKVCache``,
@@ -99,8 +99,7 @@ def scaled_dot_product_attention(
     over any other unquantised cache (or none),
     :func:`metal_kernels.attention.verify_attention` (both run the kernel
     only for the shapes it takes, MLX's attention otherwise). Anything else
-    (kernels off, no Metal, a quantised cache, sinks): the original
-    function, unchanged.
+    (kernels off, no Metal, a quantised cache, sinks): mlx-lm's function.
 
     queries: [B, Hq, T, D]; keys, values: [B, Hkv, N, D] (or a quantised
     cache's tuples). Returns [B, Hq, T, D].
@@ -110,39 +109,57 @@ def scaled_dot_product_attention(
             keys, values = _stored_rows(cache, keys, values)
             return mtp_attention(queries, keys, values, scale, mask)
         return verify_attention(queries, keys, values, scale, mask)
-    return _original_sdpa(
+    return _mlx_lm_sdpa(
         queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
     )
 
 
-def install_attention() -> bool:
-    """Put :func:`scaled_dot_product_attention` in place of
-    ``mlx_lm.models.qwen3_next.scaled_dot_product_attention`` (keeping the
-    original). Idempotent; True when it installed now."""
-    global _original_sdpa
-    current = qwen3_next.scaled_dot_product_attention
-    if current is scaled_dot_product_attention:
-        return False
-    # a dispatcher of an earlier import of this module: its original
-    _original_sdpa = getattr(current, "mlx_spec_original", current)
-    scaled_dot_product_attention.mlx_spec_original = _original_sdpa
-    qwen3_next.scaled_dot_product_attention = scaled_dot_product_attention
-    return True
+def _with_globals(function, **names):
+    """``function``'s own code, looking up ``names`` in a private namespace
+    (its module's globals plus these) instead of its module."""
+    missing = [n for n in names if n not in function.__code__.co_names]
+    if missing:
+        raise RuntimeError(
+            f"{function.__qualname__} no longer calls {', '.join(missing)}: "
+            "this mlx-lm version is not supported by mlx_spec's kernel wiring"
+        )
+    rebound = types.FunctionType(
+        function.__code__,
+        {**function.__globals__, **names},
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    rebound.__qualname__ = function.__qualname__
+    rebound.__doc__ = function.__doc__
+    return rebound
+
+
+class FastAttention(Qwen3NextAttention):
+    """mlx-lm's gated attention layer, calling :func:`scaled_dot_product_attention`."""
+
+    __call__ = _with_globals(
+        Qwen3NextAttention.__call__, **{_SDPA_NAME: scaled_dot_product_attention}
+    )
 
 
 # -- the model ---------------------------------------------------------------
 
+# mlx-lm class -> the subclass that dispatches to the kernels.
+_FAST_CLASSES = {SwitchGLU: FastSwitchGLU, Qwen3NextAttention: FastAttention}
+
 
 def enable_fast_layers(model) -> int:
     """Hook ``model`` (and an MTP head attached as ``model.mtp_head``) into
-    the kernels, in place: install the attention dispatcher and swap the
-    class of every MoE block's ``SwitchGLU`` to :class:`FastSwitchGLU`.
+    the kernels, in place: every MoE block's ``SwitchGLU`` becomes a
+    :class:`FastSwitchGLU` and every ``Qwen3NextAttention`` a
+    :class:`FastAttention`. Nothing outside ``model`` changes.
 
     Idempotent (call it again after attaching an MTP head later); returns how
-    many ``SwitchGLU`` modules were swapped now. With kernels off the model
-    computes exactly what it did before.
+    many modules were swapped now. With kernels off the model computes
+    exactly what it did before.
     """
-    install_attention()
     trees = [model]
     head = getattr(model, "__dict__", {}).get("mtp_head")  # outside the tree
     if head is not None:
@@ -150,10 +167,12 @@ def enable_fast_layers(model) -> int:
     swapped = 0
     for tree in trees:
         for module in tree.modules():
-            if not isinstance(module, Qwen3NextSparseMoeBlock):
+            if isinstance(module, Qwen3NextSparseMoeBlock):
+                module = module.get("switch_mlp")
+            elif not isinstance(module, Qwen3NextAttention):
                 continue
-            experts = module.get("switch_mlp")
-            if type(experts) is SwitchGLU:
-                experts.__class__ = FastSwitchGLU
+            fast = _FAST_CLASSES.get(type(module))
+            if fast is not None:
+                module.__class__ = fast
                 swapped += 1
     return swapped

@@ -2,12 +2,17 @@
 
 mlx-lm's GDN layers keep only the state after the last token they process, so a
 speculative verify pass over ``T`` tokens cannot be undone. The subclasses here
-behave exactly like mlx-lm's layers, except when their cache is a
-:class:`~mlx_spec.state.GDNSlotCache` that is capturing: then the layer also
-hands the cache what it needs to restore the state after any prefix of the
-``T`` tokens (the conv window input and the recurrence inputs or per-token
-states). Nothing of mlx-lm is forked: the projection, convolution, norm and
-output code below call the parent layer's own modules.
+are mlx-lm's layers (``__call__`` is the parent's) except when their cache is a
+:class:`~mlx_spec.state.GDNSlotCache` that is capturing: then
+``_verify_forward`` runs, which restates the parent's forward (projections,
+causal conv, q/k normalisation, recurrence, gated norm, output projection,
+each through the layer's own modules and mlx-lm's functions) and hands the
+cache the conv input and the recurrence inputs, so it can restore the state
+after any prefix of the ``T`` tokens. That restatement is the one piece of
+mlx-lm's code written again here; ``tests/test_gdn.py`` checks it against the
+installed mlx-lm (same output and cache as the parent's forward), and a
+batched cache (``cache.lengths``, mlx-lm's left-padded batches) is refused
+rather than handled differently.
 """
 
 import mlx.core as mx
@@ -26,6 +31,11 @@ class _VerifyGDNMixin:
 
     def _verify_forward(self, inputs: mx.array, mask, cache) -> mx.array:
         # inputs: [B, T, hidden]
+        if cache.lengths is not None:
+            raise NotImplementedError(
+                "speculative verify passes over batched (left-padded) GDN caches "
+                "are not supported"
+            )
         B, T, _ = inputs.shape
         qkv, z, b, a = self._project(inputs)
         conv_state = cache[0]

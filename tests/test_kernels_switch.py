@@ -3,9 +3,9 @@
 * the switch: modes, one warning without Metal, fallback with one warning
   when a kernel fails, the ``auto`` decision cached per family;
 * each reference equals the mlx-lm path it replaces;
-* ``enable_fast_layers`` (the attention dispatcher in place of mlx-lm's
-  ``qwen3_next.scaled_dot_product_attention`` and ``FastSwitchGLU``): layers
-  compute exactly what mlx-lm's do, bit for bit;
+* ``enable_fast_layers`` (``FastAttention`` and ``FastSwitchGLU`` swapped in
+  for mlx_spec's models only): layers compute exactly what mlx-lm's do, bit
+  for bit, and models mlx_spec did not load are untouched;
 * generation with ``MLX_SPEC_KERNELS=on`` on this machine (no Metal) warns
   once and gives mlx-lm's tokens;
 * ``mlx_spec bench-kernels`` without Metal times the references.
@@ -33,7 +33,7 @@ from metal_kernels.attention import (
 from metal_kernels.gated_delta import gated_delta_steps, gated_delta_steps_reference
 from metal_kernels.moe import experts_reference, moe_experts, moe_reference
 from mlx_spec import fast_layers, kernels
-from mlx_spec.fast_layers import FastSwitchGLU, enable_fast_layers
+from mlx_spec.fast_layers import FastAttention, FastSwitchGLU, enable_fast_layers
 
 pytestmark = pytest.mark.skipif(
     mx.metal.is_available(), reason="checks the behaviour without Metal"
@@ -201,15 +201,6 @@ def tiny_args(**over):
     return ModelArgs.from_dict(cfg)
 
 
-def mlx_lm_attention(monkeypatch, layer, *args):
-    """``layer(*args)`` with mlx-lm's own attention function in place."""
-    with monkeypatch.context() as m:
-        m.setattr(
-            qwen3_next, "scaled_dot_product_attention", scaled_dot_product_attention
-        )
-        return layer(*args)
-
-
 def test_enable_fast_layers_hooks_without_copies():
     from mlx_spec.mtp.head import MTPHead
 
@@ -219,20 +210,38 @@ def test_enable_fast_layers_hooks_without_copies():
     tree.other = SwitchGLU(8, 8, 2)  # not an MoE block's: left alone
     head = MTPHead(args, "qwen3_next")
     object.__setattr__(tree, "mtp_head", head)  # outside the tree, as attached
-    assert enable_fast_layers(tree) == 2 and enable_fast_layers(tree) == 0
+    assert enable_fast_layers(tree) == 4 and enable_fast_layers(tree) == 0
     assert type(tree.layers[1].switch_mlp) is FastSwitchGLU
     assert type(head.layers[0].mlp.switch_mlp) is FastSwitchGLU
     assert type(tree.other) is SwitchGLU
-    assert type(tree.layers[0]) is Qwen3NextAttention  # the layers stay mlx-lm's
-    sdpa = qwen3_next.scaled_dot_product_attention
+    assert type(tree.layers[0]) is FastAttention
+    assert type(head.layers[0].self_attn) is FastAttention
+    # mlx-lm's own code object, resolving the attention function to ours
+    fast_call, plain_call = FastAttention.__call__, Qwen3NextAttention.__call__
+    assert fast_call.__code__ is plain_call.__code__
+    sdpa = fast_call.__globals__["scaled_dot_product_attention"]
     assert sdpa is fast_layers.scaled_dot_product_attention
-    assert fast_layers._original_sdpa is scaled_dot_product_attention
-    assert not fast_layers.install_attention()  # idempotent
-    assert qwen3_next.scaled_dot_product_attention is sdpa
+    # and nothing of mlx-lm's module changed
+    assert qwen3_next.scaled_dot_product_attention is scaled_dot_product_attention
+
+
+def test_models_mlx_spec_did_not_load_stay_mlx_lm(checkpoint_dirs, models, family):
+    """A model loaded by mlx-lm next to mlx_spec's runs exactly mlx-lm's code:
+    no class of it is swapped and mlx-lm's modules are as imported."""
+    import mlx_spec
+
+    mlx_spec.load(checkpoint_dirs[family])
+    plain, _ = mlx_lm.load(str(checkpoint_dirs[family]))
+    ours = models[family][0]
+    for module in plain.modules():
+        assert not type(module).__module__.startswith("mlx_spec"), type(module)
+    assert any(isinstance(m, FastAttention) for m in ours.modules())
+    assert qwen3_next.scaled_dot_product_attention is scaled_dot_product_attention
+    assert qwen3_next.Qwen3NextAttention.__call__.__globals__ is vars(qwen3_next)
 
 
 @pytest.mark.parametrize("mode", ["off", "on", "auto"])
-def test_fast_layers_equal_mlx_lm_layers(monkeypatch, mode):
+def test_fast_layers_equal_mlx_lm_layers(mode):
     """Bit for bit: attention (no cache, a KVCache, the MTP head's f16 cache)
     and the MoE block, with every mode (no Metal here)."""
     from mlx_spec.mtp.head import MTPKVCache
@@ -240,7 +249,8 @@ def test_fast_layers_equal_mlx_lm_layers(monkeypatch, mode):
     args = tiny_args()
     mx.random.seed(2)
     attn, moe = Qwen3NextAttention(args), Qwen3NextSparseMoeBlock(args)
-    plain_moe = Qwen3NextSparseMoeBlock(args)
+    plain_attn, plain_moe = Qwen3NextAttention(args), Qwen3NextSparseMoeBlock(args)
+    plain_attn.update(attn.parameters())
     plain_moe.update(moe.parameters())
     tree = nn.Module()
     tree.layers = [attn, moe]
@@ -253,12 +263,12 @@ def test_fast_layers_equal_mlx_lm_layers(monkeypatch, mode):
         y = moe.switch_mlp(x, inds)
         assert mx.array_equal(y, plain_moe.switch_mlp(x, inds))
         assert mx.array_equal(moe_experts(x, inds, moe.switch_mlp), y)
-        want = mlx_lm_attention(monkeypatch, attn, x, "causal")
-        assert mx.array_equal(attn(x, "causal"), want)
+        assert type(attn) is FastAttention
+        assert mx.array_equal(attn(x, "causal"), plain_attn(x, "causal"))
         for make in (KVCache, MTPKVCache):
             c1, c2 = make(), make()
             for xs, mask in ((x, "causal"), (x[:, :1], None), (x[:, :3], "causal")):
-                want = mlx_lm_attention(monkeypatch, attn, xs, mask, c2)
+                want = plain_attn(xs, mask, c2)
                 assert mx.array_equal(attn(xs, mask, c1), want)
     assert y.shape == (1, 5, 2, args.hidden_size)
     assert mx.array_equal(experts_reference(x, inds, moe.switch_mlp), y)

@@ -1,0 +1,53 @@
+"""The verify forward of the GDN subclasses against the installed mlx-lm."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache
+
+from mlx_spec.gdn import make_verifiable
+from mlx_spec.state import GDNSlotCache
+
+
+def _gdn_layers(model):
+    return [l.linear_attn for l in model.layers if hasattr(l, "linear_attn")]
+
+
+def _plain_forward(layer, x, cache):
+    """The parent class's (mlx-lm's) forward, whatever the layer's class."""
+    parent = next(c for c in type(layer).__mro__ if c.__module__.startswith("mlx_lm"))
+    return parent.__call__(layer, x, None, cache)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_verify_forward_equals_mlx_lm_forward(models, family, T):
+    """Capturing over T tokens gives the output and cache of mlx-lm's own
+    forward over the same tokens (then commit keeps them all)."""
+    model, _ = models[family]
+    layer = _gdn_layers(model)[0]
+    assert make_verifiable(layer)
+    mx.random.seed(T)
+    H = layer.in_proj_ba.weight.shape[1] if hasattr(layer, "in_proj_ba") else None
+    H = H or layer.in_proj_qkv.weight.shape[1]
+    history = mx.random.normal((1, 6, H))
+    x = mx.random.normal((1, T, H))
+    plain, ours = ArraysCache(2), GDNSlotCache(max_tokens=8)
+    for c in (plain, ours):
+        _plain_forward(layer, history, c)  # a context first
+    want = _plain_forward(layer, x, plain)
+    ours.capturing = True
+    got = layer(x, None, ours)
+    ours.commit(T)
+    assert mx.array_equal(got, want)
+    for a, b in zip(ours.cache, plain.cache):
+        assert mx.array_equal(a, b)
+
+
+def test_batched_cache_is_refused(models):
+    model, _ = models["qwen3_5"]
+    layer = _gdn_layers(model)[0]
+    cache = GDNSlotCache(max_tokens=4)
+    cache.lengths = mx.array([3])
+    cache.capturing = True
+    H = layer.in_proj_qkv.weight.shape[1]
+    with pytest.raises(NotImplementedError, match="batched"):
+        layer(mx.zeros((1, 2, H)), None, cache)
