@@ -9,11 +9,19 @@ decoding) whenever speculation does not pay; it then re-probes with one draft
 now and then, so a workload that becomes predictable is noticed.
 """
 
+import hashlib
+import json
+import os
+import platform
+import tempfile
 import time
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
+
+from .prompt_cache import model_fingerprint
 
 MAX_AUTO_DRAFT = 8
 # Prior acceptance per position before any evidence, and its weight (in passes).
@@ -22,20 +30,36 @@ _PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
 _DECAY = 0.97
 _PROBE_EVERY = 16
 
-_profiles: Dict[int, List[float]] = {}
+CACHE_DIR_ENV = "MLX_SPEC_CACHE_DIR"  # default: ~/.cache/mlx_spec
+
+_profiles: Dict[int, List[float]] = {}  # id(model) -> costs, this process
 
 
 def verify_cost_profile(model, max_tokens: int = MAX_AUTO_DRAFT + 1, repeats: int = 3):
-    """Seconds of a target forward over T = 1..max_tokens tokens (cached per model).
+    """Seconds of a target forward over T = 1..max_tokens tokens; index 0 is T = 1.
 
-    Measured on a scratch cache holding a short random context (restored
-    after every timed forward), after a warm-up round; the minimum of
-    ``repeats`` rounds (robust to a busy machine), made non-decreasing in T.
-    Index 0 is T = 1.
+    Measured once per machine, MLX version, BLAS and model: kept for the
+    process and on disk (:func:`profile_cache_file`), so later runs skip it.
     """
     key = id(model)
     if key in _profiles and len(_profiles[key]) >= max_tokens:
         return _profiles[key][:max_tokens]
+    disk_key = _profile_key(model, max_tokens)
+    costs = _read_profile(disk_key, max_tokens)
+    if costs is None:
+        costs = measure_verify_costs(model, max_tokens, repeats)
+        _write_profile(disk_key, costs)
+    _profiles[key] = costs
+    return costs
+
+
+def measure_verify_costs(model, max_tokens: int, repeats: int = 3) -> List[float]:
+    """Time target forwards over T = 1..max_tokens tokens on this machine.
+
+    On a scratch cache holding a short random context (restored after every
+    timed forward), after a warm-up round; the minimum of ``repeats`` rounds
+    (robust to a busy machine), made non-decreasing in T.
+    """
     vocab = model.model.embed_tokens.weight.shape[0] if hasattr(model, "model") else 2
     cache = make_prompt_cache(model)
     mx.eval(model(mx.random.randint(0, vocab, (1, 32)), cache=cache))
@@ -54,8 +78,66 @@ def verify_cost_profile(model, max_tokens: int = MAX_AUTO_DRAFT + 1, repeats: in
     costs = []
     for t in best:
         costs.append(max(t, costs[-1] if costs else 0.0))
-    _profiles[key] = costs
     return costs
+
+
+def profile_cache_file() -> Path:
+    root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "mlx_spec"
+    return Path(root) / "verify_costs.json"
+
+
+def _profile_key(model, max_tokens: int) -> str:
+    """What a profile depends on: the machine, its MLX and BLAS, the model."""
+    what = {
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "blas": os.environ.get("LD_PRELOAD", ""),
+        "model": model_fingerprint(model),
+        "tokens": max_tokens,
+    }
+    if mx.metal.is_available():
+        what["gpu"] = str(mx.device_info().get("device_name", ""))
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def _read_profile(key: str, max_tokens: int) -> Optional[List[float]]:
+    """The stored profile, or None (missing, unreadable or malformed file)."""
+    try:
+        costs = json.loads(profile_cache_file().read_text())[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    valid = (
+        isinstance(costs, list)
+        and len(costs) == max_tokens
+        and all(isinstance(c, float) and 0 < c < 60 for c in costs)
+    )
+    return costs if valid else None
+
+
+def _write_profile(key: str, costs: List[float]):
+    """Store the profile (atomic replace); a cache that cannot be written is
+    only a cost: the profile is measured again next time."""
+    path = profile_cache_file()
+    try:
+        profiles = json.loads(path.read_text())
+        if not isinstance(profiles, dict):
+            profiles = {}
+    except (OSError, ValueError):
+        profiles = {}
+    profiles[key] = costs
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, suffix=".tmp", delete=False
+        ) as f:
+            json.dump(profiles, f)
+        os.replace(f.name, path)
+    except OSError:
+        if "f" in locals():
+            Path(f.name).unlink(missing_ok=True)
 
 
 class DraftLengthPolicy:

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny raw checkpoints of every supported family, built by code."""
 
+import os
 import random
 
 import mlx.core as mx
@@ -11,16 +12,38 @@ import mlx_spec
 from mlx_spec.tiny_checkpoint import FAMILIES, write_tiny_checkpoint
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory):
+    """Measured verify-cost profiles go to a folder of this test session (and
+    of the commands it starts), never the user's cache."""
+    from mlx_spec.adaptive import CACHE_DIR_ENV
+
+    saved = os.environ.get(CACHE_DIR_ENV)
+    os.environ[CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("mlx_spec_cache"))
+    yield
+    if saved is None:
+        os.environ.pop(CACHE_DIR_ENV)
+    else:
+        os.environ[CACHE_DIR_ENV] = saved
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     return {f: write_tiny_checkpoint(root / f, f, seed=0) for f in FAMILIES}
 
 
+# id(model loaded by mlx_spec) -> the same checkpoint loaded by mlx-lm alone
+PLAIN_TWINS = {}
+
+
 @pytest.fixture(scope="session")
-def models(checkpoint_dirs):
+def models(checkpoint_dirs, plain_models):
     """family -> (model, tokenizer), loaded once per session through mlx_spec.load."""
-    return {f: mlx_spec.load(p) for f, p in checkpoint_dirs.items()}
+    loaded = {f: mlx_spec.load(p) for f, p in checkpoint_dirs.items()}
+    for f, (model, _) in loaded.items():
+        PLAIN_TWINS[id(model)] = plain_models[f][0]
+    return loaded
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +59,9 @@ def family(request):
 
 
 def reference_tokens(model, tokenizer, prompt, max_tokens, **kwargs):
-    """Greedy tokens of plain mlx-lm decoding."""
+    """Greedy tokens of plain mlx-lm decoding (of the model's mlx-lm twin when
+    it has one, so the reference never runs anything mlx_spec installs)."""
+    model = PLAIN_TWINS.get(id(model), model)
     return [
         r.token
         for r in mlx_stream_generate(
