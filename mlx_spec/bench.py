@@ -24,11 +24,10 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate as plain_stream_generate
 
 from .adaptive import verify_cost_profile
-from .demo import default_model_path
+from .cli_common import CommandError, bad_input, command, load_model
 from .drafters import DRAFTS
 from .generate import stream_generate
 from .generate_cli import draft_length
-from .loading import load
 from .stats import SpecStats
 
 KINDS = ("copy", "free", "long")
@@ -263,15 +262,12 @@ def setup_parser():
     return p
 
 
+@command("mlx_spec bench")
 def main(argv=None):
     args = setup_parser().parse_args(argv)
     if args.repeats < 1:
-        print(
-            f"mlx_spec bench: --repeats must be >= 1, got {args.repeats}",
-            file=sys.stderr,
-        )
-        return 2
-    model, tok = load(args.model or default_model_path())
+        raise CommandError(f"--repeats must be >= 1, got {args.repeats}")
+    model_path, model, tok = load_model(args.model)
     workloads = load_workloads(args.workloads_file, args.workload, tok)
     if args.max_tokens:
         for w in workloads:
@@ -286,10 +282,10 @@ def main(argv=None):
     )
     tic = time.perf_counter()
     try:
-        results = run_bench(model, tok, workloads, settings, args.repeats, bar.update)
-    except ValueError as e:
-        print(f"mlx_spec bench: {e}", file=sys.stderr)
-        return 2
+        with bad_input():
+            results = run_bench(
+                model, tok, workloads, settings, args.repeats, bar.update
+            )
     finally:
         bar.close()
     print(format_table(results))
@@ -301,7 +297,7 @@ def main(argv=None):
     if args.json:
         out = {
             "machine": info,
-            "model": str(args.model or default_model_path()),
+            "model": str(model_path),
             "repeats": args.repeats,
             "verify_cost_profile_s": verify_cost_profile(model),
             "results": results,

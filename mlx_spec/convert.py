@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from .cli_common import CommandError, check_model_files
 from .mtp.attach import build_head, load_mtp_weights
 from .mtp.weights import (
     PREFIX,
@@ -198,6 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "or add --force-4bit"
         )
     try:
+        if Path(a.hf_path).is_dir():
+            check_model_files(Path(a.hf_path))
         path = convert(
             a.hf_path,
             a.mlx_path,
@@ -211,7 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             dtype=a.dtype,
             progress=not a.no_progress,
         )
-    except (MTPWeightsError, FileNotFoundError, ValueError) as e:
+    except (CommandError, MTPWeightsError, OSError, ValueError) as e:
         print(f"mlx_spec convert: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {path}")

@@ -5,12 +5,10 @@ import sys
 import mlx.core as mx
 from mlx_lm.generate import setup_arg_parser
 
+from .cli_common import CommandError, bad_input, command, load_model, sampler_from_flags
 from .decode import MAX_DRAFT_TOKENS
-from .demo import default_model_path
 from .drafters import DRAFTS
 from .generate import generate
-from .loading import load
-from .sampling import make_sampler
 
 # mlx_lm.generate flags that speculative decoding here does not implement.
 _UNSUPPORTED = {"draft_model": "--draft-model", "image": "--image"}
@@ -68,21 +66,15 @@ def setup_parser():
     return parser
 
 
+@command("mlx_spec generate")
 def main(argv=None):
     args = setup_parser().parse_args(argv)
     for dest, flag in _UNSUPPORTED.items():
         if getattr(args, dest, None):
-            print(f"mlx_spec generate: {flag} is not supported", file=sys.stderr)
-            return 2
+            raise CommandError(f"{flag} is not supported")
     if args.seed is not None:
         mx.random.seed(args.seed)
-    try:
-        model, tokenizer = load(
-            args.model or default_model_path(), mtp_path=args.mtp_path
-        )
-    except FileNotFoundError as e:
-        print(f"mlx_spec generate: {e}", file=sys.stderr)
-        return 2
+    _, model, tokenizer = load_model(args.model, mtp_path=args.mtp_path)
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
 
@@ -97,17 +89,8 @@ def main(argv=None):
             messages, tokenize=False, add_generation_prompt=True
         )
     prompt = tokenizer.encode(prompt, add_special_tokens=not chat)
-    sampler = make_sampler(
-        args.temp,
-        args.top_p,
-        args.min_p,
-        args.min_tokens_to_keep,
-        top_k=args.top_k,
-        xtc_probability=args.xtc_probability,
-        xtc_threshold=args.xtc_threshold,
-        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
-    )
-    try:
+    sampler = sampler_from_flags(args, tokenizer)
+    with bad_input():
         text = generate(
             model,
             tokenizer,
@@ -125,9 +108,6 @@ def main(argv=None):
             kv_group_size=args.kv_group_size,
             quantized_kv_start=args.quantized_kv_start,
         )
-    except ValueError as e:
-        print(f"mlx_spec generate: {e}", file=sys.stderr)
-        return 2
     if not args.verbose:
         print(text)
     return 0
