@@ -11,11 +11,15 @@ names the model (a fingerprint of its config and weights) and the drafter.
 
 import hashlib
 import json
+import os
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, load_prompt_cache, save_prompt_cache
 
+from .cli_common import one_line
 from .state import GDNSlotCache
 
 FORMAT = "mlx_spec.session.v1"
@@ -49,8 +53,33 @@ def _plain(cache):
     return cache
 
 
+def _temp_file_beside(path: Path) -> Path:
+    """A new empty file in ``path``'s directory, named ``*.safetensors`` (the
+    suffix ``mx.save_safetensors`` would otherwise append)."""
+    fd, name = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=".safetensors"
+    )
+    os.close(fd)
+    return Path(name)
+
+
+def check_writable(path):
+    """Raise ``ValueError`` naming ``path`` if a session cannot be saved there
+    (checked by creating a file beside it, so it fails before a session is lost)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"prompt cache file {str(path)!r} is a directory")
+    try:
+        _temp_file_beside(path).unlink()
+    except OSError as e:
+        raise ValueError(
+            f"cannot write the prompt cache file {str(path)!r}: {e.strerror}"
+        ) from None
+
+
 def save_session(path, decoder, model_name: str = ""):
-    """Write ``decoder``'s whole state to ``path`` (safetensors)."""
+    """Write ``decoder``'s whole state to exactly ``path`` (safetensors, whatever
+    its suffix), atomically: a file beside it, renamed onto it when complete."""
     decoder.flush()
     drafter = decoder.drafter
     arrays = [] if drafter is None else list(getattr(drafter, "state", []))
@@ -66,19 +95,52 @@ def save_session(path, decoder, model_name: str = ""):
         "drafter": _drafter_name(drafter),
         "n_target": str(len(decoder.cache.caches)),
     }
-    save_prompt_cache(str(path), caches, meta)
+    path = Path(path)
+    tmp = _temp_file_beside(path)
+    try:
+        save_prompt_cache(str(tmp), caches, meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def _safetensors_name(path: Path):
+    """A name for ``path`` ending in ``.safetensors``: ``mx.load``, which
+    ``load_prompt_cache`` calls, tells the format from the suffix."""
+    if path.suffix == ".safetensors":
+        yield path
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        link = Path(tmp) / "session.safetensors"
+        link.symlink_to(path.resolve())
+        yield link
+
+
+def _read(path: Path):
+    """``(caches, metadata)`` of a prompt-cache file; ``ValueError`` naming it
+    for anything that is not one."""
+    if path.is_dir():
+        raise ValueError(f"prompt cache file {str(path)!r} is a directory")
+    try:
+        with _safetensors_name(path) as name:
+            return load_prompt_cache(str(name), return_metadata=True)
+    except Exception as e:  # whatever the bytes are, the file is unreadable
+        raise ValueError(
+            f"{str(path)!r} is not a readable prompt cache file ({one_line(e)})"
+        ) from None
 
 
 def load_session(path, decoder, model_name: str = ""):
     """Restore a session saved by :func:`save_session` into a fresh ``decoder``.
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming
-    the file for one made for another model or drafter.
+    the file for one that is unreadable or made for another model or drafter.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"prompt cache file {str(path)!r} does not exist")
-    caches, meta = load_prompt_cache(str(path), return_metadata=True)
+    caches, meta = _read(path)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not an mlx_spec session file")
     if meta["model"] != model_fingerprint(decoder.model):
