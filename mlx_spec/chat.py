@@ -20,17 +20,23 @@ import time
 import mlx.core as mx
 
 from .adaptive import MAX_AUTO_DRAFT
+from .cli_common import bad_input, command, load_model, sampler_from_flags
 from .decode import SpeculativeDecoder, speculative_generate_step
-from .demo import default_model_path
 from .drafters import DRAFTS, default_draft, make_drafter
 from .generate import check_options
 from .generate_cli import draft_length
-from .loading import load
-from .prompt_cache import load_session, save_session
-from .sampling import make_sampler
+from .prompt_cache import check_writable, load_session, save_session
 from .stats import SpecStats
 
-HELP = "Commands: /reset (forget the conversation), /stats, /help, /quit (or Ctrl-D)."
+PROG = "mlx_spec chat"
+COMMANDS = {
+    "/reset": "forget the conversation",
+    "/stats": "speculation statistics",
+    "/help": "this list",
+    "/quit": "exit, as Ctrl-D does",
+}
+ALIASES = {"/exit": "/quit", "q": "/quit", "r": "/reset", "h": "/help"}
+HELP = "Commands: " + ", ".join(f"{c} ({what})" for c, what in COMMANDS.items())
 
 
 class ChatSession:
@@ -38,17 +44,11 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, args):
         self.model, self.tokenizer, self.args = model, tokenizer, args
-        self.sampler = make_sampler(
-            args.temp,
-            args.top_p,
-            top_k=args.top_k,
-            xtc_probability=args.xtc_probability,
-            xtc_threshold=args.xtc_threshold,
-            xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
-        )
+        self.sampler = sampler_from_flags(args, tokenizer)
         self.session_stats = SpecStats()
-        self.turn_stats = SpecStats()
+        self.turn_stats = None  # no reply yet
         self.turn_tps = self.session_tokens = self.session_seconds = 0.0
+        self.prefilled = 0
         self.reset()
 
     def reset(self):
@@ -126,10 +126,15 @@ class ChatSession:
         session_tps = (
             self.session_tokens / self.session_seconds if self.session_seconds else 0
         )
-        return (
-            f"last turn: {t.generated} tokens, {self.turn_tps:.1f} tokens/s, "
+        last = (
+            "no reply yet"
+            if t is None
+            else f"{t.generated} tokens, {self.turn_tps:.1f} tokens/s, "
             f"{t.accepted}/{t.drafted} drafts accepted ({t.acceptance_rate:.1%}), "
-            f"{t.tokens_per_pass:.2f} tokens per pass, prefilled {self.prefilled} tokens\n"
+            f"{t.tokens_per_pass:.2f} tokens per pass, prefilled {self.prefilled} tokens"
+        )
+        return (
+            f"last turn: {last}\n"
             f"session:   {s.generated} tokens, {session_tps:.1f} tokens/s, "
             f"{s.accepted}/{s.drafted} drafts accepted ({s.acceptance_rate:.1%}), "
             f"{len(self.decoder.history)} tokens of context\n"
@@ -161,6 +166,11 @@ def setup_parser():
         prog="mlx_spec chat", description="Chat with speculative decoding."
     )
     p.add_argument("--model", help="Model directory (default: the bundled demo model).")
+    p.add_argument(
+        "--mtp-path",
+        help="MTP head sidecar (mtp.safetensors written by 'mlx_spec convert') "
+        "for a model directory without one.",
+    )
     p.add_argument(
         "--draft",
         choices=DRAFTS,
@@ -204,63 +214,79 @@ def setup_parser():
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument(
         "--prompt-cache-file",
-        help="Load the session from this file if it "
-        "exists, and save it there on exit.",
+        help="Load the session from this file if it exists, and save it to "
+        "exactly this path on exit.",
     )
     return p
 
 
+def run_command(chat, line: str) -> bool:
+    """Run the command ``line`` names; False when it asks to quit."""
+    word = line.split()[0]
+    name = ALIASES.get(word, word)
+    if name == "/quit":
+        return False
+    if name == "/reset":
+        chat.reset()
+        print("[conversation reset]")
+    elif name == "/stats":
+        print(chat.stats_text())
+    elif name == "/help":
+        print(HELP)
+    else:
+        print(f"unknown command {name}. {HELP}")
+    return True
+
+
+def converse(chat):
+    """Read lines until /quit, Ctrl-D or Ctrl-C at the prompt; stream replies."""
+    interrupt = _Interrupt()
+    while True:
+        try:
+            line = input(">> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if not line:
+            continue
+        if line.startswith("/") or line in ALIASES:
+            if not run_command(chat, line):
+                return
+            continue
+        with interrupt:
+            for segment in chat.reply(line, lambda: interrupt.hit):
+                print(segment, end="", flush=True)
+        print("\n[interrupted]" if interrupt.hit else "", flush=True)
+
+
+@command(PROG)
 def main(argv=None):
     args = setup_parser().parse_args(argv)
-    try:
+    cache_file = args.prompt_cache_file
+    with bad_input():
         check_options(args.max_tokens, args.draft or "ngram", args.num_draft_tokens)
         if args.max_kv_size is not None:
             raise ValueError("--max-kv-size is not supported with speculative decoding")
-    except ValueError as e:
-        print(f"mlx_spec chat: {e}", file=sys.stderr)
-        return 2
+        if cache_file:
+            check_writable(cache_file)
     mx.random.seed(args.seed)
-    model_path = args.model or default_model_path()
-    model, tokenizer = load(
-        model_path,
+    model_path, model, tokenizer = load_model(
+        args.model,
+        mtp_path=args.mtp_path,
         tokenizer_config={"trust_remote_code": args.trust_remote_code},
         adapter_path=args.adapter_path,
     )
     args.draft = args.draft or default_draft(model)
-    chat = ChatSession(model, tokenizer, args)
-    if args.prompt_cache_file:
-        try:
-            load_session(args.prompt_cache_file, chat.decoder, model_path)
-        except FileNotFoundError:
-            pass
-        except ValueError as e:
-            print(f"mlx_spec chat: {e}", file=sys.stderr)
-            return 2
-    print(f"[mlx_spec chat] {model_path} (draft: {args.draft}). {HELP}", flush=True)
-    interrupt = _Interrupt()
-    while True:
-        try:
-            query = input(">> ")
-        except (EOFError, KeyboardInterrupt):
-            print()
-            break
-        command = query.strip()
-        if command in ("/quit", "/exit", "q"):
-            break
-        if command in ("/reset", "r"):
-            chat.reset()
-            print("[conversation reset]")
-            continue
-        if command in ("/stats",):
-            print(chat.stats_text())
-            continue
-        if command in ("/help", "h"):
-            print(HELP)
-            continue
-        with interrupt:
-            for segment in chat.reply(query, lambda: interrupt.hit):
-                print(segment, end="", flush=True)
-        print("\n[interrupted]" if interrupt.hit else "", flush=True)
-    if args.prompt_cache_file:
-        save_session(args.prompt_cache_file, chat.decoder, model_path)
+    with bad_input():
+        chat = ChatSession(model, tokenizer, args)
+        if cache_file:
+            try:
+                load_session(cache_file, chat.decoder, model_path)
+            except FileNotFoundError:
+                pass  # a new session, saved there on exit
+    print(f"[mlx_spec chat] {model_path} (draft: {args.draft}). {HELP}.", flush=True)
+    converse(chat)
+    if cache_file:
+        with bad_input(OSError):
+            save_session(cache_file, chat.decoder, model_path)
     return 0

@@ -1,15 +1,21 @@
 """``mlx_spec chat``: turns, state carried across turns, save/load, Ctrl-C."""
 
+import io
+import os
+import select
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import stream_generate as mlx_stream_generate
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
-from mlx_spec.chat import ChatSession, setup_parser
+from mlx_spec.chat import ChatSession, main, setup_parser
+from mlx_spec.prompt_cache import save_session
 
 TURNS = ["def area(width, height):", "x = area(3, 4)", "print(x)"]
 
@@ -26,6 +32,14 @@ def chat_cmd(model_dir, *extra):
         "24",
         *extra,
     ]
+
+
+def run_chat(model_dir, lines, *extra, monkeypatch, capsys):
+    """``mlx_spec chat`` in this process, reading ``lines``: (status, out, err)."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{x}\n" for x in lines)))
+    status = main(["--model", str(model_dir), "--max-tokens", "8", *extra])
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
 def replies_of(stdout):
@@ -152,20 +166,139 @@ def test_interrupted_reply_keeps_a_consistent_state(models):
     assert kv[0].offset == len(decoder.history) - 1
 
 
+def test_stats_empty_lines_and_unknown_commands(
+    checkpoint_dirs, tmp_path, monkeypatch, capsys
+):
+    cache_file = tmp_path / "session"
+    lines = ["/stats", "", "/foo", "/stats", TURNS[0], "/reset", "  ", "/stats"]
+    status, out, err = run_chat(
+        checkpoint_dirs["qwen3_5"],
+        lines,
+        "--prompt-cache-file",
+        str(cache_file),
+        monkeypatch=monkeypatch,
+        capsys=capsys,
+    )
+    assert status == 0, err
+    assert out.count("last turn: no reply yet") == 2  # /foo was not a turn
+    assert "unknown command /foo. Commands: /reset" in out
+    last = out.split("last turn: ")[-1]  # after /reset: the reply, no context
+    assert not last.startswith("no reply yet") and ", 0 tokens of context" in last
+    assert cache_file.is_file()
+
+
+def test_prompt_cache_file_is_exactly_the_path_given(
+    checkpoint_dirs, tmp_path, monkeypatch, capsys
+):
+    model_dir = checkpoint_dirs["qwen3_next"]
+    cache_file = tmp_path / "mysession"
+    args = ("--prompt-cache-file", str(cache_file))
+    kw = dict(monkeypatch=monkeypatch, capsys=capsys)
+
+    def context(out):
+        return int(out.split(" tokens of context")[0].split()[-1])
+
+    status, first, err = run_chat(model_dir, [TURNS[0], "/stats"], *args, **kw)
+    assert status == 0, err
+    assert os.listdir(tmp_path) == ["mysession"]
+    status, second, err = run_chat(model_dir, ["/stats"], *args, **kw)
+    assert status == 0, err
+    assert context(second) == context(first) > 0  # the first run's conversation
+    # Still mlx-lm's prompt-cache format: its loader reads a *.safetensors copy.
+    copy = shutil.copy(cache_file, tmp_path / "copy.safetensors")
+    caches, meta = load_prompt_cache(str(copy), return_metadata=True)
+    assert len(caches) == int(meta["n_target"]) + 2
+
+
+@pytest.mark.parametrize("where", ["missing_dir", "directory", "read_only_dir"])
+def test_unwritable_prompt_cache_file_is_refused_before_loading(
+    where, checkpoint_dirs, tmp_path, monkeypatch, capsys
+):
+    if where == "read_only_dir":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        (tmp_path / "ro").mkdir(mode=0o555)
+    path = {
+        "missing_dir": tmp_path / "nowhere" / "s",
+        "directory": tmp_path,
+        "read_only_dir": tmp_path / "ro" / "s",
+    }[where]
+    status, out, err = run_chat(
+        checkpoint_dirs["qwen3_5"],
+        [TURNS[0]],
+        "--prompt-cache-file",
+        str(path),
+        monkeypatch=monkeypatch,
+        capsys=capsys,
+    )
+    assert status == 2 and "[mlx_spec chat]" not in out  # nothing was loaded
+    assert err.startswith(f"mlx_spec chat: ") and str(path) in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "model_weights"])
+def test_unreadable_prompt_cache_file_is_one_line(
+    damage, checkpoint_dirs, models, tmp_path, monkeypatch, capsys
+):
+    model, tok = models["qwen3_5"]
+    path = tmp_path / "s.safetensors"
+    if damage == "model_weights":
+        shutil.copy(checkpoint_dirs["qwen3_5"] / "model.safetensors", path)
+    else:
+        chat = ChatSession(model, tok, setup_parser().parse_args([]))
+        list(chat.reply(TURNS[0]))
+        save_session(path, chat.decoder)
+        data = path.read_bytes()
+        path.write_bytes(
+            data[: len(data) // 2] if damage == "truncated" else data[::-1]
+        )
+    before = path.read_bytes()
+    status, _, err = run_chat(
+        checkpoint_dirs["qwen3_5"],
+        [TURNS[1]],
+        "--prompt-cache-file",
+        str(path),
+        monkeypatch=monkeypatch,
+        capsys=capsys,
+    )
+    assert status == 2
+    assert err.startswith(f"mlx_spec chat: {str(path)!r} is not a readable")
+    assert len(err.strip().splitlines()) == 1
+    assert path.read_bytes() == before  # not overwritten
+
+
+def read_until(proc, done, timeout=120.0):
+    """Read ``proc``'s stdout until ``done(text so far)``, at most ``timeout`` s."""
+    fd, out = proc.stdout.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while not done(out.decode(errors="replace")):
+        left = deadline - time.monotonic()
+        assert left > 0, f"timed out; stdout so far: {out[-400:]!r}"
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 4096)
+            assert chunk, f"chat exited; stdout: {out[-400:]!r}"
+            out += chunk
+    return out.decode(errors="replace")
+
+
 def test_ctrl_c_returns_to_the_prompt_and_ctrl_d_exits(checkpoint_dirs):
     proc = subprocess.Popen(
         chat_cmd(checkpoint_dirs["qwen3_next"], "--max-tokens", "100000"),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
     )
-    proc.stdin.write(TURNS[0] + "\n")
-    proc.stdin.flush()
-    time.sleep(4)  # model loaded and generating a very long reply
-    proc.send_signal(signal.SIGINT)
-    time.sleep(1)
-    out, err = proc.communicate("/stats\n", timeout=120)  # then EOF
-    assert proc.returncode == 0, err
-    assert "[interrupted]" in out
-    assert "last turn:" in out
+    try:
+        read_until(proc, lambda out: "[mlx_spec chat]" in out and ">> " in out)
+        proc.stdin.write(f"{TURNS[0]}\n".encode())
+        proc.stdin.flush()
+        read_until(proc, bool)  # the reply is streaming
+        proc.send_signal(signal.SIGINT)
+        read_until(proc, lambda out: "[interrupted]" in out)
+        out, err = proc.communicate(b"/stats\n", timeout=120)  # then EOF
+        assert proc.returncode == 0, err.decode()
+        assert "last turn:" in out.decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
