@@ -7,9 +7,10 @@ the drafter's state (MTP cache, n-gram index) and the history carry over in one
 or, for a tokenizer without a chat template, the user's text as a plain
 continuation of the conversation so far.
 
-Ctrl-C during a reply stops it after the current verify pass: the tokens shown
-so far are kept, and the state is consistent (exactly as if generation had
-stopped there). Ctrl-C or Ctrl-D at the prompt exits.
+A line starting with ``/`` is a command (see ``COMMANDS``); an empty line
+prompts again. Ctrl-C during a reply stops it after the current verify pass:
+the tokens shown so far are kept, and the state is consistent (exactly as if
+generation had stopped there). Ctrl-C or Ctrl-D at the prompt exits.
 """
 
 import argparse

@@ -23,7 +23,7 @@ class CommandError(Exception):
 
 
 def one_line(error: BaseException) -> str:
-    """An exception's message on one line (its type when the message alone is unclear)."""
+    """The message of ``error`` on one line (with its type where that is unclear)."""
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
     if isinstance(error, (OSError, ValueError, RuntimeError)) and text:
         return text

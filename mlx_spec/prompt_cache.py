@@ -7,6 +7,7 @@ conversation would have: ``mlx_lm.models.cache.load_prompt_cache`` reads them.
 After them come one ``ArraysCache`` holding the token history and the hidden
 state of the last token, then the drafter's own state arrays. The metadata
 names the model (a fingerprint of its config and weights) and the drafter.
+The file is written to exactly the path given, whatever its suffix.
 """
 
 import hashlib
