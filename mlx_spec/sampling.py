@@ -32,8 +32,7 @@ class Sampler:
         min_tokens_to_keep: int = 1,
         top_k: int = 0,
     ):
-        if temp < 0:
-            raise ValueError(f"temp must be >= 0, got {temp!r}")
+        _check_temp(temp)
         self.temp = temp
         self.filters = []
         if 0 < top_p < 1.0:
@@ -59,6 +58,11 @@ class Sampler:
         return mx.random.categorical(self.logits(logprobs))
 
 
+def _check_temp(temp: float):
+    if temp < 0:
+        raise ValueError(f"temp must be >= 0, got {temp!r}")
+
+
 def make_sampler(
     temp: float = 0.0,
     top_p: float = 0.0,
@@ -69,8 +73,11 @@ def make_sampler(
     xtc_threshold: float = 0.1,
     xtc_special_tokens: Optional[List[int]] = None,
 ):
-    """Drop-in for ``mlx_lm.sample_utils.make_sampler`` (see module docstring)."""
+    """Drop-in for ``mlx_lm.sample_utils.make_sampler`` (see module docstring).
+
+    Raises ``ValueError`` for a negative temperature (whatever the sampler)."""
     if xtc_probability > 0.0:
+        _check_temp(temp)
         return mlx_make_sampler(
             temp,
             top_p,

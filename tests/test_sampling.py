@@ -303,3 +303,9 @@ def test_mtp_ngram_samples_its_mtp_drafts(predictive_model):
     list(steps)
     assert seen and all(q is not None for q in seen)
     assert any(mx.max(q).item() < 0.99 for q in seen)  # a distribution, not one-hot
+
+
+@pytest.mark.parametrize("xtc_probability", [0.0, 0.5])
+def test_negative_temperature_is_refused(xtc_probability):
+    with pytest.raises(ValueError, match="temp must be >= 0, got -0.5"):
+        make_sampler(-0.5, xtc_probability=xtc_probability)
