@@ -34,12 +34,29 @@ KINDS = ("copy", "free", "long")
 
 
 def load_workloads(path=None, kinds=None, tokenizer=None) -> List[dict]:
-    """Workloads from a JSONL file (default: the bundled one)."""
+    """Workloads from a JSONL file (default: the bundled one); ``ValueError``
+    naming the file and line for one that cannot be read."""
     if path is None:
         text = resources.files("mlx_spec").joinpath("data/workloads.jsonl").read_text()
     else:
-        text = Path(path).read_text()
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read workloads file {path}: {e}") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+            if row is not None and not isinstance(
+                row.get("prompt", row.get("stdlib")), (str, list)
+            ):
+                raise ValueError("needs a 'prompt' (or 'stdlib') field")
+            if row is not None and not isinstance(row.get("kind"), str):
+                raise ValueError("needs a 'kind' field")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{path or 'workloads'} line {number}: {e}") from None
+        if row is not None:
+            rows.append(row)
     rows = [r for r in rows if kinds is None or r["kind"] in kinds]
     for r in rows:
         if "stdlib" in r:
@@ -268,7 +285,8 @@ def main(argv=None):
     if args.repeats < 1:
         raise CommandError(f"--repeats must be >= 1, got {args.repeats}")
     model_path, model, tok = load_model(args.model)
-    workloads = load_workloads(args.workloads_file, args.workload, tok)
+    with bad_input():
+        workloads = load_workloads(args.workloads_file, args.workload, tok)
     if args.max_tokens:
         for w in workloads:
             w["max_tokens"] = args.max_tokens

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import mlx_spec.bench as bench
 
 ROW_KEYS = {
@@ -79,3 +81,24 @@ def test_bundled_workloads_cover_every_kind(models):
 def test_bad_repeats(capsys):
     assert bench.main(["--repeats", "0"]) == 2
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"kind": "copy", "prompt": "x"}\n{not json\n', "line 2"),
+        ('{"prompt": "x"}\n', "line 1: needs a 'kind'"),
+        ('["a list"]\n', "line 1"),
+        (None, "cannot read workloads file"),
+    ],
+)
+def test_bad_workloads_file_is_one_line(
+    checkpoint_dirs, tmp_path, capsys, content, message
+):
+    path = tmp_path / "w.jsonl"
+    if content is not None:
+        path.write_text(content)
+    model = str(checkpoint_dirs["qwen3_5"])
+    assert bench.main(["--model", model, "--workloads-file", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and str(path) in err and len(err.splitlines()) == 1
