@@ -24,7 +24,7 @@ state elements).
 from typing import List, Optional, Tuple, Union
 
 import mlx.core as mx
-from mlx_lm.models.gated_delta import compute_g, gated_delta_update
+from mlx_spec.mlx_lm_compat import compute_g, gated_delta_update
 
 from ._util import cached_kernel, kernel_stream
 

@@ -33,7 +33,7 @@ one-token steps through this kernel would.
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.switch_layers import (
+from mlx_spec.mlx_lm_compat import (
     QuantizedSwitchLinear,
     SwiGLU,
     SwitchGLU,

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
+from .mlx_lm_compat import make_prompt_cache
 from .prompt_cache import model_fingerprint
 
 MAX_AUTO_DRAFT = 8

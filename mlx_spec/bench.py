@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Dict, List
 
 import mlx.core as mx
-from mlx_lm.generate import stream_generate as plain_stream_generate
 
+from .mlx_lm_compat import plain_stream_generate
 from .adaptive import verify_cost_profile
 from .cli_common import CommandError, bad_input, command, load_model
 from .drafters import DRAFTS

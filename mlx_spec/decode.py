@@ -4,8 +4,8 @@ import time
 from typing import Any, Callable, Collection, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
-from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 
+from .mlx_lm_compat import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 from .adaptive import MAX_AUTO_DRAFT, DraftLengthPolicy, verify_cost_profile
 from .sampling import make_draft_sampler, make_sampler
 from .state import SpeculativeCache

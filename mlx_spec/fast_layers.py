@@ -30,9 +30,12 @@ for bit. Parameters are kept.
 import types
 
 import mlx.core as mx
-from mlx_lm.models import qwen3_next
-from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
-from mlx_lm.models.switch_layers import SwitchGLU
+from .mlx_lm_compat import (
+    Qwen3NextAttention,
+    Qwen3NextSparseMoeBlock,
+    SwitchGLU,
+    qwen3_next,
+)
 
 from metal_kernels.attention import mtp_attention, verify_attention
 from metal_kernels.moe import moe_experts

@@ -17,8 +17,8 @@ rather than handled differently.
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import qwen3_5, qwen3_next
-from mlx_lm.models.gated_delta import normalize_qk
+
+from .mlx_lm_compat import normalize_qk, qwen3_5, qwen3_next
 
 
 class _VerifyGDNMixin:

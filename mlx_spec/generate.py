@@ -6,14 +6,14 @@ from dataclasses import dataclass
 from typing import List, Optional, Union
 
 import mlx.core as mx
-from mlx_lm.generate import (
+
+from .mlx_lm_compat import (
     GenerationResponse,
+    TokenizerWrapper,
     generate_step,
     generation_stream,
     wired_limit,
 )
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-
 from .adaptive import verify_cost_profile
 from .decode import MAX_DRAFT_TOKENS, speculative_generate_step
 from .state import ROLLBACK_STRATEGIES

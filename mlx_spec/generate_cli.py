@@ -3,8 +3,8 @@
 import sys
 
 import mlx.core as mx
-from mlx_lm.generate import setup_arg_parser
 
+from .mlx_lm_compat import setup_arg_parser
 from .cli_common import CommandError, bad_input, command, load_model, sampler_from_flags
 from .decode import MAX_DRAFT_TOKENS
 from .drafters import DRAFTS

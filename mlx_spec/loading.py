@@ -3,8 +3,8 @@
 from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
-import mlx_lm
 
+from . import mlx_lm_compat
 from .fast_layers import enable_fast_layers
 from .gdn import make_verifiable
 from .mtp import attach_mtp_head
@@ -40,7 +40,7 @@ def load(
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if mtp_path is not None and not Path(mtp_path).exists():
         raise FileNotFoundError(f"MTP path {str(mtp_path)!r} does not exist")
-    model, tokenizer = mlx_lm.load(
+    model, tokenizer = mlx_lm_compat.load(
         str(path), tokenizer_config=tokenizer_config, **kwargs
     )
     attach_mtp_head(model, path, mtp_path=mtp_path, lazy=kwargs.get("lazy", False))

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, load_prompt_cache, save_prompt_cache
 
+from .mlx_lm_compat import ArraysCache, load_prompt_cache, save_prompt_cache
 from .cli_common import one_line
 from .state import GDNSlotCache
 

@@ -19,10 +19,10 @@ prefix from the pre-verify state (no matmuls).
 from typing import Any, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from metal_kernels.gated_delta import gated_delta_steps
 
+from .mlx_lm_compat import ArraysCache, make_prompt_cache
 from .gdn import make_verifiable
 
 ROLLBACK_STRATEGIES = ("store", "replay")

@@ -1,0 +1,99 @@
+"""Every part of mlx-lm that mlx_spec uses, named in this one module.
+
+mlx_spec extends mlx-lm's models instead of forking them, so it relies on a
+few of mlx-lm's internals (model and cache classes, helpers of the generate
+loop, the gated-delta functions), which change between releases. Runtime
+code imports them from here only; ``pyproject.toml`` declares the mlx-lm
+versions this was tested with (``TESTED_MLX_LM``), and importing mlx_spec
+with another version warns once, naming it.
+"""
+
+import warnings
+
+import mlx_lm
+from mlx_lm import convert, load
+from mlx_lm.generate import (
+    DEFAULT_QUANTIZED_KV_START,
+    GenerationResponse,
+    generate_step,
+    generation_stream,
+    maybe_quantize_kv_cache,
+    setup_arg_parser,
+)
+from mlx_lm.generate import stream_generate as plain_stream_generate
+from mlx_lm.generate import wired_limit
+from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+)
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
+from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
+from mlx_lm.models.switch_layers import (
+    QuantizedSwitchLinear,
+    SwiGLU,
+    SwitchGLU,
+    SwitchLinear,
+)
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import dequantize_model
+
+# The releases the test suite passed on; pyproject.toml allows this minor series.
+TESTED_MLX_LM = ("0.32.0", "0.32.2")
+MLX_LM_VERSION = mlx_lm.__version__
+
+
+def _minor(version: str):
+    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+
+
+if _minor(MLX_LM_VERSION) != _minor(TESTED_MLX_LM[0]):
+    warnings.warn(
+        f"mlx_spec was tested with mlx-lm {' and '.join(TESTED_MLX_LM)}; "
+        f"mlx-lm {MLX_LM_VERSION} is installed and may not work with it",
+        stacklevel=2,
+    )
+
+__all__ = [
+    "ArraysCache",
+    "DEFAULT_QUANTIZED_KV_START",
+    "GenerationResponse",
+    "KVCache",
+    "MLX_LM_VERSION",
+    "QuantizedSwitchLinear",
+    "Qwen3NextAttention",
+    "Qwen3NextSparseMoeBlock",
+    "SwiGLU",
+    "SwitchGLU",
+    "SwitchLinear",
+    "TESTED_MLX_LM",
+    "TokenizerWrapper",
+    "apply_min_p",
+    "apply_top_k",
+    "apply_top_p",
+    "compute_g",
+    "convert",
+    "create_attention_mask",
+    "dequantize_model",
+    "gated_delta_update",
+    "generate_step",
+    "generation_stream",
+    "load",
+    "load_prompt_cache",
+    "make_prompt_cache",
+    "maybe_quantize_kv_cache",
+    "mlx_lm_make_sampler",
+    "normalize_qk",
+    "plain_stream_generate",
+    "qwen3_5",
+    "qwen3_next",
+    "save_prompt_cache",
+    "setup_arg_parser",
+    "wired_limit",
+]
