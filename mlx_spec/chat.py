@@ -15,7 +15,6 @@ generation had stopped there). Ctrl-C or Ctrl-D at the prompt exits.
 
 import argparse
 import signal
-import sys
 import time
 
 import mlx.core as mx

@@ -232,7 +232,7 @@ def test_unwritable_prompt_cache_file_is_refused_before_loading(
         capsys=capsys,
     )
     assert status == 2 and "[mlx_spec chat]" not in out  # nothing was loaded
-    assert err.startswith(f"mlx_spec chat: ") and str(path) in err
+    assert err.startswith("mlx_spec chat: ") and str(path) in err
     assert len(err.strip().splitlines()) == 1
 
 
