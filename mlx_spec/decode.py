@@ -7,6 +7,7 @@ import mlx.core as mx
 
 from .mlx_lm_compat import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 from .adaptive import MAX_AUTO_DRAFT, DraftLengthPolicy, verify_cost_profile
+from .drafters.base import as_drafter
 from .sampling import make_draft_sampler, make_sampler
 from .state import SpeculativeCache
 from .stats import PhaseClock, SpecStats
@@ -61,7 +62,8 @@ class SpeculativeDecoder:
         quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
         stats: Optional[SpecStats] = None,
     ):
-        self.model, self.drafter, self.max_draft = model, drafter, max_draft
+        self.model, self.max_draft = model, max_draft
+        self.drafter = as_drafter(drafter)
         self.cache = SpeculativeCache(model, max_draft, rollback, caches=prompt_cache)
         self.target = Target(model, self.cache)
         self.prefill_step_size = prefill_step_size
@@ -88,7 +90,7 @@ class SpeculativeDecoder:
         if not tokens:
             raise ValueError("cannot feed an empty list of tokens")
         inputs = self.pending + tokens[:-1]
-        keep = getattr(self.drafter, "needs_hidden", False)
+        keep = self.drafter is not None and self.drafter.needs_hidden
         hidden = self.target.prefill(
             mx.array(inputs, mx.uint32),
             self.prefill_step_size,
@@ -140,7 +142,7 @@ class SpeculativeDecoder:
         if self._verified is not None:
             raise RuntimeError("verify() called twice without commit()")
         clock = clock or PhaseClock(self.stats)
-        if k > 0 and hasattr(self.drafter, "catch_up"):
+        if k > 0 and self.drafter is not None:
             # Deferred drafter work is paid whatever k is: keep it out of the
             # drafting time the draft-length policy weighs.
             self.drafter.catch_up()
@@ -154,7 +156,7 @@ class SpeculativeDecoder:
         clock.lap("verify", logits, hidden)
         seen = self.history if history is None else history
         logprobs = _score(logits, seen, draft, processors)
-        q = getattr(self.drafter, "draft_probs", None) if draft else None
+        q = self.drafter.draft_probs if draft else None
         n, token = verify_draft(draft, logprobs, sampler, q)  # the one host sync
         clock.lap("sampling")
         self._verified = (len(draft), n, hidden)
@@ -238,7 +240,7 @@ def speculative_generate_step(
 
     tokens = prompt.tolist()
     history = list(tokens)  # what logits processors see: this call's tokens
-    if hasattr(decoder.drafter, "set_sampling"):
+    if decoder.drafter is not None:
         decoder.drafter.set_sampling(
             make_draft_sampler(sampler, logits_processors, history)
         )

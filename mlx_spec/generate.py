@@ -18,6 +18,7 @@ from .adaptive import verify_cost_profile
 from .decode import MAX_DRAFT_TOKENS, speculative_generate_step
 from .state import ROLLBACK_STRATEGIES
 from .drafters import DRAFTS, default_draft, make_drafter
+from .drafters.base import is_drafter
 from .drafters.mtp import MAX_MTP_DRAFT
 from .stats import SpecStats
 
@@ -73,10 +74,6 @@ def _encode(model, tokenizer: TokenizerWrapper, prompt) -> mx.array:
     return prompt.astype(mx.uint32)
 
 
-def _is_drafter(draft) -> bool:
-    return all(callable(getattr(draft, m, None)) for m in ("reset", "draft", "accept"))
-
-
 def check_options(max_tokens, draft, num_draft_tokens, rollback="store"):
     """Raise ``ValueError`` naming the bad value; called before any state changes."""
     if rollback not in ROLLBACK_STRATEGIES:
@@ -85,7 +82,7 @@ def check_options(max_tokens, draft, num_draft_tokens, rollback="store"):
         )
     if not isinstance(max_tokens, int) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if not (draft in DRAFTS if isinstance(draft, str) else _is_drafter(draft)):
+    if not (draft in DRAFTS if isinstance(draft, str) else is_drafter(draft)):
         raise ValueError(
             f"unknown draft {draft!r}; choose one of {', '.join(DRAFTS)} "
             "or pass an object with reset/draft/accept methods"

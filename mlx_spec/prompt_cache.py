@@ -40,9 +40,7 @@ def model_fingerprint(model) -> str:
 
 
 def _drafter_name(drafter) -> str:
-    return (
-        "none" if drafter is None else getattr(drafter, "name", type(drafter).__name__)
-    )
+    return "none" if drafter is None else drafter.name
 
 
 def _plain(cache):
@@ -83,7 +81,7 @@ def save_session(path, decoder, model_name: str = ""):
     its suffix), atomically: a file beside it, renamed onto it when complete."""
     decoder.flush()
     drafter = decoder.drafter
-    arrays = [] if drafter is None else list(getattr(drafter, "state", []))
+    arrays = [] if drafter is None else list(drafter.state)
     session = ArraysCache(2)
     session.cache = [mx.array(decoder.history, mx.uint32), decoder.last_hidden]
     extra = ArraysCache(max(len(arrays), 1))

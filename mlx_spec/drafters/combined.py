@@ -28,6 +28,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
+from .base import Drafter
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
 
@@ -35,7 +36,7 @@ RULES = ("adaptive", "agree", "agree_or_long", "long", "ngram_first")
 DECAY = 0.8  # weight of older disagreements in the adaptive score
 
 
-class MTPNgramDrafter:
+class MTPNgramDrafter(Drafter):
     """Chooses per step between an n-gram draft and an MTP draft (see ``rule``)."""
 
     name = "mtp+ngram"

@@ -20,12 +20,14 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
+from .base import Drafter
+
 MAX_MTP_DRAFT = 8
 PREFILL_CHUNK = 2048
 PENDING_ROWS = 64  # accepted rows deferred at most before a head forward
 
 
-class MTPDrafter:
+class MTPDrafter(Drafter):
     """Greedy drafting with an :class:`~mlx_spec.mtp.MTPHead`.
 
     ``last_draft_logits`` [m, V]: the head's logits that produced each of the

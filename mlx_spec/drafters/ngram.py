@@ -8,10 +8,12 @@ history. The history is the prompt and every token generated so far.
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .base import Drafter
+
 MIN_NGRAM = 2
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Drafts up to ``k`` tokens by matching the longest recent suffix."""
 
     name = "ngram"
@@ -38,13 +40,9 @@ class NgramDrafter:
                 self._next[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(int(t))
 
-    @property
-    def state(self) -> list:
-        """Arrays to save with a session: none, the index follows the history."""
-        return []
-
     def restore(self, history: Sequence[int], arrays=()):
-        """Rebuild the index of a saved session from its token history."""
+        """Rebuild the index of a saved session from its token history (the
+        index needs no saved arrays)."""
         self.reset(history)
 
     def accept(self, tokens: Sequence[int], hidden=None):

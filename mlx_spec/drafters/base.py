@@ -1,0 +1,93 @@
+"""The drafter contract: what the decode loop asks of a drafter, in one place.
+
+A drafter proposes tokens after the pending token; the target verifies them
+in one pass and the drafter is told what was kept. Three methods are
+required; the rest have defaults that a simple drafter never touches:
+
+- ``reset(prompt, hidden)``: a new history. hidden: [N-1, H] post-norm target
+  states of ``prompt[:-1]`` when ``needs_hidden``, else None.
+- ``draft(k) -> list[int]``: up to ``k`` tokens after the pending token.
+- ``accept(tokens, hidden)``: the tokens a verify pass kept (accepted drafts
+  and the target's own next token); hidden: [len(tokens), H] for the inputs
+  that produced them (``needs_hidden``), else None.
+- ``needs_hidden``: whether ``reset``/``accept`` need the hidden states.
+- ``set_sampling(choose)``: the target samples; ``choose(logits, drafted)``
+  returns ``(token, q)`` for a drafter that can sample its drafts. Default:
+  drafts stay deterministic.
+- ``draft_probs``: [m, V] the distributions the last draft was sampled from
+  (rejection sampling needs them); None for a deterministic draft.
+- ``catch_up()``: deferred work (e.g. head forwards over accepted rows) done
+  now, so that timing the next ``draft`` measures drafting alone.
+- ``state`` / ``restore(history, arrays)``: arrays saved with a chat session
+  and how to rebuild from them.
+"""
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+
+class Drafter:
+    """Base class of the drafters; see the module docstring for the contract."""
+
+    name = "custom"
+    needs_hidden = False
+    draft_probs: Optional[mx.array] = None
+
+    def reset(self, prompt: Sequence[int], hidden: Optional[mx.array]):
+        raise NotImplementedError
+
+    def draft(self, k: int) -> List[int]:
+        raise NotImplementedError
+
+    def accept(self, tokens: Sequence[int], hidden: Optional[mx.array]):
+        raise NotImplementedError
+
+    def set_sampling(self, choose):
+        """Deterministic drafts by default: the verifier treats q as one-hot."""
+
+    def catch_up(self):
+        """No deferred work by default."""
+
+    @property
+    def state(self) -> List[mx.array]:
+        return []
+
+    def restore(self, history: Sequence[int], arrays: Sequence[mx.array]):
+        raise NotImplementedError(f"drafter {self.name!r} cannot restore a session")
+
+
+class _ForeignDrafter(Drafter):
+    """A user's object with ``reset``/``draft``/``accept``, given the defaults."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = getattr(inner, "name", type(inner).__name__)
+        self.needs_hidden = bool(getattr(inner, "needs_hidden", False))
+
+    def reset(self, prompt, hidden):
+        self.inner.reset(prompt, hidden)
+
+    def draft(self, k):
+        return [int(t) for t in self.inner.draft(k)]
+
+    def accept(self, tokens, hidden):
+        self.inner.accept(tokens, hidden)
+
+
+def is_drafter(obj) -> bool:
+    """True for a :class:`Drafter` or any object with the three required methods."""
+    return isinstance(obj, Drafter) or all(
+        callable(getattr(obj, m, None)) for m in ("reset", "draft", "accept")
+    )
+
+
+def as_drafter(obj) -> Optional[Drafter]:
+    """``obj`` as a :class:`Drafter` (None stays None: plain decoding)."""
+    if obj is None or isinstance(obj, Drafter):
+        return obj
+    if not is_drafter(obj):
+        raise ValueError(
+            f"{obj!r} is not a drafter: it needs reset, draft and accept methods"
+        )
+    return _ForeignDrafter(obj)
