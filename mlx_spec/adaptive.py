@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 from .mlx_lm_compat import make_prompt_cache
-from .prompt_cache import model_fingerprint
+from .fingerprint import model_fingerprint
 
 MAX_AUTO_DRAFT = 8
 # Prior acceptance per position before any evidence, and its weight (in passes).

@@ -20,9 +20,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from . import mlx_lm_compat
 from .cli_common import CommandError, check_model_files
+from .fingerprint import signature_to_text, weight_signature
 from .mtp.attach import build_head, load_mtp_weights
 from .mtp.weights import (
+    SIGNATURE_KEY,
     PREFIX,
     SIDECAR_NAME,
     MTPWeightsError,
@@ -95,9 +98,7 @@ def convert(
             raise FileNotFoundError(f"--mlx-path {str(out)!r} has no config.json")
         if out.exists():
             out.rmdir()  # mlx_lm.convert insists on creating the directory
-        import mlx_lm
-
-        mlx_lm.convert(
+        mlx_lm_compat.convert(
             str(hf),
             str(out),
             quantize=quantize,
@@ -116,9 +117,7 @@ def convert(
 
     head = build_head(args, model_type, weights, source, src_bits, src_group)
     if src_bits:
-        from mlx_lm.utils import dequantize_model
-
-        dequantize_model(head)
+        mlx_lm_compat.dequantize_model(head)
     target = getattr(mx, mtp_dtype)
     head.update(
         tree_map(
@@ -135,8 +134,10 @@ def convert(
             and m.weight.shape[-1] % mtp_group_size == 0,
         )
     tensors = {PREFIX + k: v for k, v in tree_flatten(head.parameters())}
+    converted, _ = mlx_lm_compat.load(str(out), lazy=True)  # as loaders see it
     metadata = {
         **model_metadata(model_type, args),
+        SIGNATURE_KEY: signature_to_text(weight_signature(converted)),
         "mlx_spec.dtype": mtp_dtype,
         "mlx_spec.bits": str(mtp_bits or 0),
         "mlx_spec.group_size": str(mtp_group_size),

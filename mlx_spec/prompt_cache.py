@@ -10,8 +10,6 @@ names the model (a fingerprint of its config and weights) and the drafter.
 The file is written to exactly the path given, whatever its suffix.
 """
 
-import hashlib
-import json
 import os
 import tempfile
 from contextlib import contextmanager
@@ -21,22 +19,10 @@ import mlx.core as mx
 
 from .mlx_lm_compat import ArraysCache, load_prompt_cache, save_prompt_cache
 from .cli_common import one_line
+from .fingerprint import model_fingerprint
 from .state import GDNSlotCache
 
 FORMAT = "mlx_spec.session.v1"
-
-
-def model_fingerprint(model) -> str:
-    """A short hash of the model's config and a slice of its embedding."""
-    args = getattr(model, "args", None)
-    config = json.dumps(
-        vars(args) if args is not None else {}, sort_keys=True, default=str
-    )
-    embed = model.model.embed_tokens
-    rows = embed(mx.arange(4))  # works for quantized embeddings too
-    digest = hashlib.sha256(config.encode())
-    digest.update(str(mx.sum(rows.astype(mx.float32)).item()).encode())
-    return digest.hexdigest()[:16]
 
 
 def _drafter_name(drafter) -> str:

@@ -327,6 +327,33 @@ def test_sidecar_of_another_model_names_the_file(dirs, tmp_path):
             convert(dirs["qwen3_next"][0], mlx)
 
 
+def test_sidecar_of_another_model_with_the_same_config_is_refused(dirs, tmp_path):
+    """Same config, other weights (another seed): the weight signature tells."""
+    raw0, mlx0 = dirs["qwen3_next"]
+    raw1 = write_predictive_checkpoint(tmp_path / "seed1_raw", "qwen3_next", seed=1)
+    mlx1 = save_mlx_dir(raw1, tmp_path / "seed1_mlx")
+    assert main(["--hf-path", str(raw1), "--mlx-path", str(mlx1), "--no-progress"]) == 0
+    assert (
+        sidecar_meta(mlx1)["mlx_spec.fingerprint"]
+        == sidecar_meta(mlx0)["mlx_spec.fingerprint"]
+    )  # the configs agree
+    other = mlx1 / "mtp.safetensors"
+    for target in (mlx0, raw0):
+        with pytest.raises(MTPWeightsError, match=f"{other}.*another model's"):
+            mlx_spec.load(target, mtp_path=other)
+    assert mlx_spec.load(mlx1)[0].mtp_head is not None  # its own model takes it
+
+
+def test_sidecar_without_weight_signature_is_refused(dirs, tmp_path):
+    _, mlx = dirs["qwen3_5"]
+    weights, meta = mx.load(str(mlx / "mtp.safetensors"), return_metadata=True)
+    del meta["mlx_spec.weights"]
+    old = tmp_path / "old.safetensors"
+    mx.save_safetensors(str(old), weights, metadata=meta)
+    with pytest.raises(MTPWeightsError, match="older mlx_spec convert"):
+        mlx_spec.load(mlx, mtp_path=old)
+
+
 def test_missing_mtp_path_names_the_path(dirs, tmp_path):
     raw, _ = dirs["qwen3_5"]
     missing = tmp_path / "nowhere" / "mtp.safetensors"
@@ -375,3 +402,37 @@ def test_mlx_shard_with_unmarked_mtp_is_refused(tmp_path):
         MTPWeightsError, match="cannot tell whether its norms were shifted"
     ):
         mlx_spec.load(mlx)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_config_mtp_num_hidden_layers_with_or_without(tmp_path, family):
+    """Configs may declare the head (as released ones do) or not (the
+    checkpoint's mtp.* tensors decide): 1 or absent loads it, 0 means none,
+    more than one is refused naming the file."""
+    raw = write_tiny_checkpoint(tmp_path / "raw", family)
+    config_file = raw / "config.json"
+    config = json.loads(config_file.read_text())
+    text = config.get("text_config", config)
+
+    def load_with(value):
+        if value is None:
+            text.pop("mtp_num_hidden_layers", None)
+        else:
+            text["mtp_num_hidden_layers"] = value
+        config_file.write_text(json.dumps(config))
+        return mlx_spec.load(raw)[0]
+
+    assert load_with(None).mtp_head is not None
+    assert load_with(1).mtp_head is not None
+    model = load_with(0)
+    assert model.mtp_head is None and "mtp_num_hidden_layers=0" in model.mtp_missing
+    with pytest.raises(MTPWeightsError, match="config.json: mtp_num_hidden_layers=2"):
+        load_with(2)
+
+
+def test_demo_config_declares_its_head():
+    from mlx_spec.demo import default_model_path
+
+    config = json.loads((default_model_path() / "config.json").read_text())
+    assert config["mtp_num_hidden_layers"] == 1
+    assert mlx_spec.load(default_model_path())[0].mtp_head is not None

@@ -22,6 +22,7 @@ from .weights import (
     SIDECAR_NAME,
     MTPWeightsError,
     check_sidecar_model,
+    load_config,
     read_checkpoint_mtp,
     read_sidecar,
     sanitize_mtp,
@@ -90,12 +91,14 @@ def load_mtp_weights(
     model_type: str,
     mtp_path: Optional[Union[str, Path]] = None,
     progress: bool = False,
+    model=None,
 ) -> Optional[Tuple[Dict[str, mx.array], int, int, str]]:
     """``(sanitised weights, bits, group_size, source)`` for a model, or None.
 
     Order: ``mtp_path`` (a sidecar file, or a directory holding one), the
     directory's own ``mtp.safetensors``, then ``mtp.*`` tensors in its shards.
-    Sidecars are checked against the model (``model_type``, ``args``).
+    Sidecars are checked against the model (``model_type``, ``args``, and
+    the shared weights of the loaded ``model`` when given).
     """
     model_dir = Path(model_dir)
     sidecar = None
@@ -111,7 +114,7 @@ def load_mtp_weights(
         sidecar = model_dir / SIDECAR_NAME
     if sidecar is not None:
         weights, meta = read_sidecar(sidecar)
-        check_sidecar_model(meta, model_type, args, sidecar)
+        check_sidecar_model(meta, model_type, args, sidecar, model)
         bits = int(meta.get("mlx_spec.bits", "0") or 0)
         group_size = int(meta.get("mlx_spec.group_size", "64") or 64)
         return weights, bits, group_size, str(sidecar)
@@ -144,9 +147,13 @@ def attach_mtp_head(
                 f"(supported: {', '.join(MTP_MODEL_TYPES)})"
             )
         head, reason = None, f"model type {model_type!r} has no MTP head"
+    elif declared_mtp_layers(Path(model_dir)) == 0 and mtp_path is None:
+        head, reason = None, f"{model_dir}/config.json says mtp_num_hidden_layers=0"
     else:
         args = text_args(model)
-        found = load_mtp_weights(Path(model_dir), args, model_type, mtp_path)
+        found = load_mtp_weights(
+            Path(model_dir), args, model_type, mtp_path, model=model
+        )
         if found is None:
             head = None
             reason = (
@@ -164,6 +171,28 @@ def attach_mtp_head(
     object.__setattr__(model, "mtp_head", head)
     object.__setattr__(model, "mtp_missing", reason)
     return head
+
+
+def declared_mtp_layers(model_dir: Path) -> Optional[int]:
+    """``mtp_num_hidden_layers`` of the config (top level, or ``text_config``
+    for Qwen3.5); None when the config does not say (then the checkpoint's
+    ``mtp.*`` tensors decide). More than one layer is refused."""
+    config = load_config(model_dir)
+    text = config.get("text_config", config)
+    value = text.get("mtp_num_hidden_layers", config.get("mtp_num_hidden_layers"))
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise MTPWeightsError(
+            f"{model_dir}/config.json: mtp_num_hidden_layers={value!r} is not a "
+            "non-negative integer"
+        )
+    if value > 1:
+        raise MTPWeightsError(
+            f"{model_dir}/config.json: mtp_num_hidden_layers={value}; only one MTP "
+            "layer is supported"
+        )
+    return value
 
 
 def mtp_head_of(model) -> MTPHead:

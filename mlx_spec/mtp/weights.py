@@ -10,7 +10,8 @@ Two sources of weights:
 - a sidecar written by ``mlx_spec convert``: already sanitised, which its
   safetensors metadata says (``mlx_spec.sanitized = "true"``), together with
   the model it belongs to (model type, hidden size, vocabulary size, a
-  fingerprint of the architecture config).
+  fingerprint of the architecture config, and the signature of the weights
+  the head shares with its target: see :mod:`mlx_spec.fingerprint`).
 
 Whether the norms still need the ``+1`` is decided only from that metadata,
 never from the values, so nothing is ever shifted twice.
@@ -25,7 +26,10 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import mlx.core as mx
 from safetensors import safe_open
 
+from ..fingerprint import same_weights, signature_from_text, weight_signature
+
 SIDECAR_NAME = "mtp.safetensors"
+SIGNATURE_KEY = "mlx_spec.weights"
 SIDECAR_VERSION = "1"
 PREFIX = "mtp."
 
@@ -342,14 +346,28 @@ def read_sidecar(path: Path) -> Tuple[Dict[str, mx.array], Dict[str, str]]:
     return weights, meta
 
 
-def check_sidecar_model(meta: Dict[str, str], model_type: str, args, path) -> None:
-    """Raise :class:`MTPWeightsError` naming ``path`` if it is another model's."""
+def check_sidecar_model(
+    meta: Dict[str, str], model_type: str, args, path, model=None
+) -> None:
+    """Raise :class:`MTPWeightsError` naming ``path`` if it is another model's:
+    another config, or (given the loaded ``model``) other shared weights."""
     want = model_metadata(model_type, args)
     bad = [
         f"{k.split('.', 1)[1]}={meta.get(k)!r} (model: {v!r})"
         for k, v in want.items()
         if meta.get(k) != v
     ]
+    if not bad and model is not None:
+        text = meta.get(SIGNATURE_KEY)
+        if text is None:
+            bad = ["no weight signature (written by an older mlx_spec convert)"]
+        else:
+            try:
+                theirs = signature_from_text(text)
+            except ValueError:
+                theirs = None
+            if theirs is None or not same_weights(theirs, weight_signature(model)):
+                bad = ["its embedding / output-head rows are another model's"]
     if bad:
         raise MTPWeightsError(
             f"MTP sidecar {path} belongs to another model: {', '.join(bad)}; "
