@@ -97,7 +97,8 @@ class DemoConfig:
         cfg = tiny_config("qwen3_next", dtype=self.dtype, **dims)
         cfg["bos_token_id"] = eos_token_id
         cfg["eos_token_id"] = eos_token_id
-        return cfg
+        cfg["mtp_num_hidden_layers"] = 1  # as released configs declare the head
+        return dict(sorted(cfg.items()))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
