@@ -12,8 +12,7 @@ from typing import Callable, Iterable, List, NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import compute_g, normalize_qk
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_spec.mlx_lm_compat import SwitchGLU, compute_g, normalize_qk
 
 from . import attention as attn
 from . import gated_delta as gdn
@@ -103,6 +102,7 @@ def _specs(quick: bool):
             "attention", 1, 4, 2, 2, 40, 64, bf16, bf16
         )
         yield "moe", lambda: _moe_case(2, 64, 64, 4, 2, bf16, 4)
+        yield "moe", lambda: _moe_case(2, 64, 64, 4, 2, bf16, 0)
         yield "mtp_attention", lambda: _attn_case(
             "mtp_attention", 1, 4, 2, 1, 40, 64, bf16, f16
         )

@@ -229,8 +229,14 @@ def main(argv=None) -> int:
         header += f" {'kernel':>12} {'speedup':>8}"
     print(header)
     for case in bench_cases(quick=args.quick, only=args.kernel):
-        ref_t = time_call(case.reference, 1, reps)
-        line = f"{case.kernel_name:<14} {case.label:<44} {_fmt(ref_t):>12}"
+        line = f"{case.kernel_name:<14} {case.label:<44}"
+        try:
+            ref_t = time_call(case.reference, 1, reps)
+        except Exception as exc:  # e.g. CPU gather_mm: float32 only
+            reason = " ".join(str(exc).split())
+            print(f"{line} skipped, this device cannot run it: {reason}", flush=True)
+            continue
+        line += f" {_fmt(ref_t):>12}"
         if metal:
             try:
                 ker_t = time_call(case.kernel, 1, reps)
