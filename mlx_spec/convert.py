@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from . import mlx_lm_compat
-from .cli_common import CommandError, check_model_files
+from .cli_common import BAD_INPUT, CommandError, check_model_files, one_line
 from .fingerprint import signature_to_text, weight_signature
 from .mtp.attach import build_head, load_mtp_weights
 from .mtp.weights import (
@@ -216,8 +216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             progress=not a.no_progress,
         )
     except (CommandError, MTPWeightsError, OSError, ValueError) as e:
-        print(f"mlx_spec convert: error: {e}", file=sys.stderr)
-        return 1
+        print(f"mlx_spec convert: {one_line(e)}", file=sys.stderr)
+        return BAD_INPUT
     print(f"wrote {path}")
     return 0
 

@@ -32,7 +32,11 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
-from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
+from mlx_lm.models.qwen3_next import (
+    Qwen3NextAttention,
+    Qwen3NextMLP,
+    Qwen3NextSparseMoeBlock,
+)
 from mlx_lm.models.switch_layers import (
     QuantizedSwitchLinear,
     SwiGLU,
@@ -68,6 +72,7 @@ __all__ = [
     "MLX_LM_VERSION",
     "QuantizedSwitchLinear",
     "Qwen3NextAttention",
+    "Qwen3NextMLP",
     "Qwen3NextSparseMoeBlock",
     "SwiGLU",
     "SwitchGLU",

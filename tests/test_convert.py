@@ -377,7 +377,7 @@ def test_dir_without_mtp_weights_says_what_to_run(tmp_path, capsys):
             MTPUnavailableError, match=f"mlx_spec convert --hf-path .* --mlx-path {mlx}"
         ):
             make_drafter(draft, model)
-    assert main(["--hf-path", str(mlx), "--mlx-path", str(mlx)]) == 1
+    assert main(["--hf-path", str(mlx), "--mlx-path", str(mlx)]) == 2
     assert "no MTP weights" in capsys.readouterr().err
 
 

@@ -25,12 +25,12 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
-from mlx_lm.models.qwen3_next import (
+from ..mlx_lm_compat import (
+    KVCache,
     Qwen3NextAttention,
     Qwen3NextMLP,
     Qwen3NextSparseMoeBlock,
+    create_attention_mask,
 )
 
 # Model types whose checkpoints carry an ``mtp.*`` head this module implements.

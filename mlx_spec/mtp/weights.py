@@ -27,6 +27,7 @@ import mlx.core as mx
 from safetensors import safe_open
 
 from ..fingerprint import same_weights, signature_from_text, weight_signature
+from ..mlx_lm_compat import qwen3_5, qwen3_next
 
 SIDECAR_NAME = "mtp.safetensors"
 SIGNATURE_KEY = "mlx_spec.weights"
@@ -86,13 +87,9 @@ def args_from_config(config: dict):
     config = copy.deepcopy(config)
     model_type = config.get("model_type")
     if model_type == "qwen3_next":
-        from mlx_lm.models.qwen3_next import ModelArgs
-
-        return ModelArgs.from_dict(config)
+        return qwen3_next.ModelArgs.from_dict(config)
     if model_type in ("qwen3_5", "qwen3_5_moe"):
-        from mlx_lm.models.qwen3_5 import TextModelArgs
-
-        return TextModelArgs.from_dict(config.get("text_config", config))
+        return qwen3_5.TextModelArgs.from_dict(config.get("text_config", config))
     raise MTPWeightsError(
         f"model type {model_type!r} has no MTP head support "
         "(supported: qwen3_next, qwen3_5, qwen3_5_moe)"
