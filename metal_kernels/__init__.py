@@ -12,7 +12,7 @@ switch is ``MLX_SPEC_KERNELS``, see ``mlx_spec.kernels``):
 * ``moe.moe_experts``: the routed experts of few tokens (``SwitchGLU``'s
   per-(token, expert) outputs), each selected expert read once.
 
-See README.md in this directory for the designs and what they save.
+See docs/kernels.md for the designs and what they save.
 """
 
 

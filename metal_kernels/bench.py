@@ -1,6 +1,6 @@
 """Benchmark cases for ``mlx_spec bench-kernels``: real model shapes.
 
-Shapes are those of Qwen3-Next-80B-A3B (docs/MTP_FACTS.md section 3): GDN
+Shapes are those of Qwen3-Next-80B-A3B (docs/kernels.md): GDN
 16 key / 32 value heads of dim 128; attention 16 query / 2 KV heads of dim
 256; MoE hidden 2048, expert width 512, top-10. The MoE cases hold 64
 experts, not 512, to keep the benchmark's memory small (the cost per distinct

@@ -23,7 +23,7 @@ from mlx_spec.gdn import make_verifiable
 from mlx_spec.state import GDNSlotCache
 
 DIMS = {
-    # Qwen3-Next-80B-A3B GDN layer (MTP_FACTS.md section 3)
+    # Qwen3-Next-80B-A3B GDN layer (docs/rollback.md)
     "qwen3_next": dict(hidden_size=2048, k_heads=16, v_heads=32, head_dim=128),
     # Qwen3.5-35B-A3B uses the same GDN geometry
     "qwen3_5_35b": dict(hidden_size=2048, k_heads=16, v_heads=32, head_dim=128),

@@ -1,7 +1,7 @@
-"""The MTP head against an independent numpy forward written from MTP_FACTS.md.
+"""The MTP head against an independent numpy forward written from docs/mtp_head.md.
 
 The reference reads the RAW tensors of the checkpoint file (zero-centred norms,
-per-expert or fused experts) and implements the forward of MTP_FACTS section 1
+per-expert or fused experts) and implements the forward of docs/mtp_head.md
 in float64; it shares no code with ``mlx_spec.mtp``. The only thing taken
 from MLX is the target's hidden state, which is the input of both.
 """
@@ -34,7 +34,7 @@ def sigmoid(x):
 
 
 class NumpyMTP:
-    """MTP_FACTS section 1, one call per block of rows, with its own KV cache."""
+    """The head step of docs/mtp_head.md, one call per block of rows, with its own KV cache."""
 
     def __init__(self, W, cfg):
         self.W = {k: v.astype(np.float64) for k, v in W.items()}

@@ -1,6 +1,6 @@
 """MTP drafting: the target's own multi-token-prediction head proposes tokens.
 
-Shift-by-one (docs/MTP_FACTS.md section 4): the MTP row at position p combines
+Shift-by-one (docs/mtp_head.md): the MTP row at position p combines
 ``(token_{p+1}, h_p)``, h_p being the target's post-final-norm hidden state of
 the token at p. The head's KV cache holds exactly one row per position the
 target has verified:

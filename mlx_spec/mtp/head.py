@@ -1,6 +1,6 @@
 """The MTP (multi-token prediction) head of Qwen3-Next / Qwen3.5 as an MLX module.
 
-One step (see docs/MTP_FACTS.md section 1)::
+One step (see docs/mtp_head.md)::
 
     e  = target.embed_tokens(t)                          # shared, not copied
     x  = fc(concat([pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]))
