@@ -42,6 +42,18 @@ def run_chat(model_dir, lines, *extra, monkeypatch, capsys):
     return status, out, err
 
 
+def chat_with_session(checkpoint_dirs, path, line, monkeypatch, capsys):
+    """One line to ``mlx_spec chat --prompt-cache-file path`` on qwen3_5."""
+    return run_chat(
+        checkpoint_dirs["qwen3_5"],
+        [line],
+        "--prompt-cache-file",
+        str(path),
+        monkeypatch=monkeypatch,
+        capsys=capsys,
+    )
+
+
 def replies_of(stdout):
     """The reply after each '>> ' prompt (stdin is not echoed)."""
     return [part.rstrip("\n") for part in stdout.split(">> ")[1:]]
@@ -223,13 +235,8 @@ def test_unwritable_prompt_cache_file_is_refused_before_loading(
         "directory": tmp_path,
         "read_only_dir": tmp_path / "ro" / "s",
     }[where]
-    status, out, err = run_chat(
-        checkpoint_dirs["qwen3_5"],
-        [TURNS[0]],
-        "--prompt-cache-file",
-        str(path),
-        monkeypatch=monkeypatch,
-        capsys=capsys,
+    status, out, err = chat_with_session(
+        checkpoint_dirs, path, TURNS[0], monkeypatch, capsys
     )
     assert status == 2 and "[mlx_spec chat]" not in out  # nothing was loaded
     assert err.startswith("mlx_spec chat: ") and str(path) in err
@@ -253,13 +260,8 @@ def test_unreadable_prompt_cache_file_is_one_line(
             data[: len(data) // 2] if damage == "truncated" else data[::-1]
         )
     before = path.read_bytes()
-    status, _, err = run_chat(
-        checkpoint_dirs["qwen3_5"],
-        [TURNS[1]],
-        "--prompt-cache-file",
-        str(path),
-        monkeypatch=monkeypatch,
-        capsys=capsys,
+    status, _, err = chat_with_session(
+        checkpoint_dirs, path, TURNS[1], monkeypatch, capsys
     )
     assert status == 2
     assert err.startswith(f"mlx_spec chat: {str(path)!r} is not a readable")

@@ -59,26 +59,14 @@ def test_reused_prompt_cache_matches_mlx_lm(models, plain_models, family, draft)
     plain, plain_tok = plain_models[family]
     ours, theirs = make_prompt_cache(model), make_prompt_cache(plain)
     calls = [(prompts("repetitive"), 20, None), ([5, 6, 7], 17, None), ([9], 30, 11)]
+    spec = dict(draft=draft, num_draft_tokens=3)
     for prompt, max_tokens, stop_after in calls:
-        want = _run(
-            mlx_stream_generate,
-            plain,
-            plain_tok,
-            prompt,
-            theirs,
-            max_tokens,
-            stop_after,
-        )
-        got = _run(
-            mlx_spec.stream_generate,
-            model,
-            tok,
-            prompt,
-            ours,
-            max_tokens,
-            stop_after,
-            draft=draft,
-            num_draft_tokens=3,
+        want, got = (
+            _run(fn, m, t, prompt, cache, max_tokens, stop_after, **kw)
+            for fn, m, t, cache, kw in (
+                (mlx_stream_generate, plain, plain_tok, theirs, {}),
+                (mlx_spec.stream_generate, model, tok, ours, spec),
+            )
         )
         assert got == want
         assert _offsets(ours) == _offsets(theirs)
