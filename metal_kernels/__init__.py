@@ -1,8 +1,11 @@
 """Custom Metal kernels for the verify and draft paths.
 
-Every kernel here is paired with an MLX-ops reference of the same signature and
-a dispatcher that falls back to the reference where Metal is unavailable (the
-switch is ``MLX_SPEC_KERNELS``, see ``mlx_spec.kernels``):
+Installed as ``mlx_spec.kernels`` (the folder is ``metal_kernels/``). Every
+kernel is paired with an MLX-ops reference of the same signature, a support
+check (``kernel_supported``; for the experts ``kernel_plan``, None where the
+kernel does not apply) and a dispatcher that falls back to the reference
+where Metal is unavailable or the switch says so (``switch.py``,
+``MLX_SPEC_KERNELS``):
 
 * ``gated_delta.gated_delta_steps``: the GDN recurrence of a verify pass with
   the state after every token;
@@ -12,12 +15,7 @@ switch is ``MLX_SPEC_KERNELS``, see ``mlx_spec.kernels``):
 * ``moe.moe_experts``: the routed experts of few tokens (``SwitchGLU``'s
   per-(token, expert) outputs), each selected expert read once.
 
-See docs/kernels.md for the designs and what they save.
+``cases.py`` holds the shapes of ``mlx_spec bench-kernels``; the wiring into
+mlx-lm's layers is ``mlx_spec.models.fast_layers``. See docs/kernels.md for
+the designs and what they save.
 """
-
-
-def bench_cases(quick: bool = False, only=None):
-    """The cases of ``mlx_spec bench-kernels`` (see ``metal_kernels.bench``)."""
-    from .bench import bench_cases as cases
-
-    return cases(quick=quick, only=only)

@@ -26,7 +26,7 @@ steps through this kernel would. The MTP variant is the same kernel with
 head's compute dtype (mlx-lm-style code upcasts the whole cache first).
 
 mlx-lm's attention layer reaches these through the dispatcher that
-``mlx_spec.fast_layers`` installs in place of
+``mlx_spec.models.fast_layers`` installs in place of
 ``mlx_lm.models.qwen3_next.scaled_dot_product_attention``.
 """
 
@@ -34,7 +34,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ._util import cached_kernel, kernel_stream
+from .switch import cached_kernel, dispatch, kernel_stream, time_call
 
 SPLIT = 256  # cache positions per split (a multiple of every BK below)
 MAX_T = 16
@@ -313,8 +313,6 @@ def kernel_supported(queries, keys, values, mask) -> bool:
 def faster_on_family(dims, Ts, reference, N: Optional[int] = None) -> bool:
     """The ``auto`` decision for a family of shapes: is the kernel faster in
     total over ``T`` in ``Ts`` at a cache of ``N`` positions?"""
-    from mlx_spec.kernels import time_call
-
     B, Hq, Hkv, D, q_dtype, kv_dtype = dims
     N = N or AUTO_BENCH_N
     k = mx.random.normal((B, Hkv, N, D)).astype(kv_dtype)
@@ -334,28 +332,31 @@ def _dims(queries, keys):
     return (B, Hq, keys.shape[1], D, queries.dtype, keys.dtype)
 
 
+def _dispatch(name, reference, bench_tokens, queries, keys, values, scale, mask):
+    """The attention kernel or ``reference(queries, keys, values, scale,
+    mask)``; ``auto`` decides per family by timing ``bench_tokens`` sizes."""
+    if not kernel_supported(queries, keys, values, mask):
+        return reference(queries, keys, values, scale, mask)
+    dims = _dims(queries, keys)
+    T, n_splits = queries.shape[2], -(-keys.shape[2] // SPLIT)
+    return dispatch(
+        name,
+        lambda: attention_kernel(queries, keys, values, scale),
+        lambda: reference(queries, keys, values, scale, mask),
+        probe_key=dims + (T, n_splits == 1),
+        family=dims,
+        decide=lambda: faster_on_family(dims, bench_tokens, reference),
+    )
+
+
 def verify_attention(queries, keys, values, scale: float, mask=None):
     """Attention of a verify pass (or any T <= 16 step); the kernel where the
     switch allows it. Same arguments and result as ``attention_reference``.
 
     queries: [B, Hq, T, D]; keys, values: [B, Hkv, N, D] float16/bfloat16.
     """
-    from mlx_spec import kernels
-
-    def reference():
-        return attention_reference(queries, keys, values, scale, mask)
-
-    if not kernel_supported(queries, keys, values, mask):
-        return reference()
-    dims = _dims(queries, keys)
-    T, n_splits = queries.shape[2], -(-keys.shape[2] // SPLIT)
-    return kernels.dispatch(
-        "attention",
-        lambda: attention_kernel(queries, keys, values, scale),
-        reference,
-        probe_key=dims + (T, n_splits == 1),
-        family=dims,
-        decide=lambda: faster_on_family(dims, (1, 4, 8), attention_reference),
+    return _dispatch(
+        "attention", attention_reference, (1, 4, 8), queries, keys, values, scale, mask
     )
 
 
@@ -366,20 +367,13 @@ def mtp_attention(queries, keys, values, scale: float, mask=None):
 
     queries: [B, Hq, L, D]; keys, values: [B, Hkv, N, D] (the stored rows).
     """
-    from mlx_spec import kernels
-
-    def reference():
-        return mtp_attention_reference(queries, keys, values, scale, mask)
-
-    if not kernel_supported(queries, keys, values, mask):
-        return reference()
-    dims = _dims(queries, keys)
-    T, n_splits = queries.shape[2], -(-keys.shape[2] // SPLIT)
-    return kernels.dispatch(
+    return _dispatch(
         "mtp_attention",
-        lambda: attention_kernel(queries, keys, values, scale),
-        reference,
-        probe_key=dims + (T, n_splits == 1),
-        family=dims,
-        decide=lambda: faster_on_family(dims, (1,), mtp_attention_reference),
+        mtp_attention_reference,
+        (1,),
+        queries,
+        keys,
+        values,
+        scale,
+        mask,
     )

@@ -1,6 +1,6 @@
 """Gated-delta recurrence for a verify pass, exposing the state after each token.
 
-``gated_delta_steps`` is the dispatcher (see ``mlx_spec.kernels`` for the
+``gated_delta_steps`` is the dispatcher (see ``mlx_spec.kernels.switch`` for the
 switch). Its MLX reference, ``gated_delta_steps_reference``, advances the
 recurrence one token at a time through mlx-lm's own ``gated_delta_update``,
 which is exactly what plain one-token decoding runs, so the states it returns
@@ -8,7 +8,7 @@ are bit-identical to the ones plain decoding would reach.
 
 The Metal kernel runs all ``T`` tokens in one launch with the state in
 registers and writes the state after every token (what the "store" rollback
-keeps), optionally straight into a slot pool ``[n_slots, B, Hv, Dv, Dk]``.
+keeps) into one array ``[T, B, Hv, Dv, Dk]``.
 Each lane owns the same state elements and sums in the same order as
 mlx-lm's kernels (the one-value-row-per-SIMD-group ``simd_sum`` kernel, or
 for Dk = 128 the packed eight-rows-per-SIMD-group kernel), so its states and
@@ -24,11 +24,11 @@ state elements).
 from typing import List, Optional, Tuple, Union
 
 import mlx.core as mx
-from mlx_spec.mlx_lm_compat import compute_g, gated_delta_update
 
-from ._util import cached_kernel, kernel_stream
+from ..mlx_lm_compat import compute_g, gated_delta_update
+from .switch import cached_kernel, dispatch, kernel_stream
 
-States = Union[mx.array, List[mx.array]]
+States = Union[mx.array, List[mx.array]]  # the T per-token states, or the final one
 
 
 def gated_delta_steps_reference(
@@ -214,14 +214,12 @@ def lanes_per_row(Dk: int, Dv: int, masked: bool) -> int:
     return 4 if (Dk == 128 and Dv % 8 == 0 and not masked) else 32
 
 
-def gated_delta_steps_kernel(
-    q, k, v, g, beta, state, mask=None, keep_states=True, n_slots=None
-):
+def gated_delta_steps_kernel(q, k, v, g, beta, state, mask=None, keep_states=True):
     """The Metal kernel on precomputed ``g`` (float32) and ``beta``.
 
     Shapes as ``gated_delta_steps``; g, beta: [B, T, Hv]. Returns y and either
-    the states [n_slots or T, B, Hv, Dv, Dk] float32 (slots >= T are left
-    unwritten) or, without ``keep_states``, the final state.
+    the states [T, B, Hv, Dv, Dk] float32 in one array (state t = after token
+    t) or, without ``keep_states``, the final state.
     """
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
@@ -234,8 +232,7 @@ def gated_delta_steps_kernel(
     inputs = [q, k, v, g, beta, state, T]
     if mask is not None:
         inputs.append(mask)
-    S = max(T, n_slots or T)
-    st_shape = (S, B, Hv, Dv, Dk) if keep_states else (B, Hv, Dv, Dk)
+    st_shape = (T, B, Hv, Dv, Dk) if keep_states else (B, Hv, Dv, Dk)
     rps = 32 // L
     y, states = kernel(
         inputs=inputs,
@@ -268,18 +265,16 @@ def gated_delta_steps(
     state: Optional[mx.array],
     mask: Optional[mx.array] = None,
     keep_states: bool = True,
-    n_slots: Optional[int] = None,
 ) -> Tuple[mx.array, States]:
     """Run ``T`` recurrence steps; the kernel where the switch allows it.
 
     Shapes: q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; a, b: [B, T, Hv];
     state: [B, Hv, Dv, Dk] float32 (None: zeros); mask: [B, T] or None.
-    Returns y: [B, T, Hv, Dv] and, with ``keep_states``, the states after
-    each token: a list of T arrays [B, Hv, Dv, Dk] (reference) or one array
-    [max(T, n_slots), B, Hv, Dv, Dk] (kernel; slot t = state after token t,
-    slots >= T unwritten); without ``keep_states`` the final state.
+    Returns y: [B, T, Hv, Dv] and, with ``keep_states``, the list of the T
+    states after each token (views of the kernel's one array); without
+    ``keep_states`` the final state. A state is [B, Hv, Dv, Dk] float32.
+    Kernel and reference return the same types.
     """
-    from mlx_spec import kernels
 
     def reference():
         return gated_delta_steps_reference(
@@ -292,13 +287,12 @@ def gated_delta_steps(
     def kernel():
         beta = mx.sigmoid(b)
         g = compute_g(A_log, a, dt_bias)
-        return gated_delta_steps_kernel(
-            q, k, v, g, beta, state, mask, keep_states, n_slots
-        )
+        y, states = gated_delta_steps_kernel(q, k, v, g, beta, state, mask, keep_states)
+        return y, (list(states) if keep_states else states)
 
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     dims = (Hk, Hv, Dk, Dv, q.dtype, mask is not None, bool(keep_states))
-    return kernels.dispatch(
+    return dispatch(
         "gdn", kernel, reference, probe_key=dims + (B, T), family=dims + (B, T)
     )

@@ -33,14 +33,14 @@ one-token steps through this kernel would.
 from typing import Optional
 
 import mlx.core as mx
-from mlx_spec.mlx_lm_compat import (
+
+from ..mlx_lm_compat import (
     QuantizedSwitchLinear,
     SwiGLU,
     SwitchGLU,
     SwitchLinear,
 )
-
-from ._util import cached_kernel, kernel_stream
+from .switch import cached_kernel, dispatch, kernel_stream, time_call
 
 MAX_TOKENS = 16
 NSG, RS, BLK = 4, 2, 256
@@ -259,7 +259,7 @@ def kernel_plan(x, inds, switch_mlp) -> Optional[tuple]:
     """(bits, gate, up, down weight lists) when the kernel applies, else None.
 
     ``switch_mlp``: a ``SwitchGLU`` (or a subclass that keeps its
-    computation, such as ``mlx_spec.fast_layers.FastSwitchGLU``) with the
+    computation, such as ``mlx_spec.models.fast_layers.FastSwitchGLU``) with the
     SwiGLU activation and no biases.
     """
     if not isinstance(switch_mlp, SwitchGLU) or not isinstance(
@@ -316,33 +316,26 @@ def experts_kernel(x, inds, plan) -> mx.array:
     xm = x.reshape(M, H)
     st = kernel_stream()
 
-    def template(IN, OUT):
-        t = [("IN", IN), ("OUT", OUT), ("K", K), ("P", P), ("MT", M)]
-        return t + [("NSG", NSG), ("RS", RS)]
+    def launch(gate_up: bool, rows, weights, IN, OUT):
+        # rows: [M or P, IN] -> per-pair outputs [P, OUT] float32
+        kernel = cached_kernel(
+            ("moe1" if gate_up else "moe2", bits),
+            lambda: _make_matvec(gate_up, bits),
+        )
+        (out,) = kernel(
+            inputs=[rows, order, sorted_e, starts, *weights],
+            template=[("IN", IN), ("OUT", OUT), ("K", K), ("P", P), ("MT", M)]
+            + [("NSG", NSG), ("RS", RS)],
+            grid=(32 * NSG, -(-OUT // (NSG * RS)), starts.size),
+            threadgroup=(32 * NSG, 1, 1),
+            output_shapes=[(P, OUT)],
+            output_dtypes=[mx.float32],
+            stream=st,
+        )
+        return out
 
-    def grid(OUT):
-        return (32 * NSG, -(-OUT // (NSG * RS)), starts.size)
-
-    k1 = cached_kernel(("moe1", bits), lambda: _make_matvec(True, bits))
-    (h,) = k1(
-        inputs=[xm, order, sorted_e, starts, *gate, *up],
-        template=template(H, I),
-        grid=grid(I),
-        threadgroup=(32 * NSG, 1, 1),
-        output_shapes=[(P, I)],
-        output_dtypes=[mx.float32],
-        stream=st,
-    )
-    k2 = cached_kernel(("moe2", bits), lambda: _make_matvec(False, bits))
-    (yp,) = k2(
-        inputs=[h, order, sorted_e, starts, *down],
-        template=template(I, H),
-        grid=grid(H),
-        threadgroup=(32 * NSG, 1, 1),
-        output_shapes=[(P, H)],
-        output_dtypes=[mx.float32],
-        stream=st,
-    )
+    h = launch(True, xm, [*gate, *up], H, I)  # silu(gate) * up per pair
+    yp = launch(False, h, down, I, H)
     return yp.reshape(*inds.shape, H).astype(x.dtype)
 
 
@@ -359,7 +352,6 @@ def moe_experts(x: mx.array, inds: mx.array, switch_mlp) -> mx.array:
     x: [..., H]; inds (expert ids): [..., K]. Returns [..., K, H], the
     output of each (token, expert) pair, in x's dtype.
     """
-    from mlx_spec import kernels
 
     def reference():
         return experts_reference(x, inds, switch_mlp)
@@ -370,7 +362,7 @@ def moe_experts(x: mx.array, inds: mx.array, switch_mlp) -> mx.array:
     M = x.size // x.shape[-1]
     I = plan[1][0].shape[1]
     family = (x.shape[-1], I, inds.shape[-1], plan[0], x.dtype, plan[1][0].dtype)
-    return kernels.dispatch(
+    return dispatch(
         "moe",
         lambda: experts_kernel(x, inds, plan),
         reference,
@@ -383,8 +375,6 @@ def moe_experts(x: mx.array, inds: mx.array, switch_mlp) -> mx.array:
 def faster_on_family(x, inds, switch_mlp, plan, Ms) -> bool:
     """The ``auto`` decision for this layer's experts: is the kernel faster
     in total over ``M`` tokens in ``Ms`` with random routing?"""
-    from mlx_spec.kernels import time_call
-
     H, K = x.shape[-1], inds.shape[-1]
     E = plan[1][0].shape[0]
     kernel_t = reference_t = 0.0

@@ -7,6 +7,12 @@ from typing import List, Optional, Union
 
 import mlx.core as mx
 
+from .core.decode import speculative_generate_step
+from .core.policy import verify_cost_profile
+from .core.state import ROLLBACK_STRATEGIES
+from .core.stats import SpecStats
+from .drafters import DRAFTS, default_draft, make_drafter
+from .drafters.base import MAX_DRAFT_TOKENS, MAX_MTP_DRAFT_TOKENS, is_drafter
 from .mlx_lm_compat import (
     GenerationResponse,
     TokenizerWrapper,
@@ -14,13 +20,6 @@ from .mlx_lm_compat import (
     generation_stream,
     wired_limit,
 )
-from .adaptive import verify_cost_profile
-from .decode import MAX_DRAFT_TOKENS, speculative_generate_step
-from .state import ROLLBACK_STRATEGIES
-from .drafters import DRAFTS, default_draft, make_drafter
-from .drafters.base import is_drafter
-from .drafters.mtp import MAX_MTP_DRAFT
-from .stats import SpecStats
 
 # Arguments of mlx-lm's generate_step that only plain decoding supports.
 _PLAIN_ONLY = ("max_kv_size", "input_embeddings")
@@ -96,9 +95,9 @@ def check_options(max_tokens, draft, num_draft_tokens, rollback="store"):
             f"got {num_draft_tokens!r}"
         )
     if draft in ("mtp", "mtp+ngram") and isinstance(num_draft_tokens, int):
-        if num_draft_tokens > MAX_MTP_DRAFT:
+        if num_draft_tokens > MAX_MTP_DRAFT_TOKENS:
             raise ValueError(
-                f"draft {draft!r} drafts 1..{MAX_MTP_DRAFT} tokens per pass (its "
+                f"draft {draft!r} drafts 1..{MAX_MTP_DRAFT_TOKENS} tokens per pass (its "
                 f"one MTP layer is reused per step), got {num_draft_tokens}"
             )
 

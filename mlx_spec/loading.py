@@ -3,11 +3,10 @@
 from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
-
 from . import mlx_lm_compat
-from .fast_layers import enable_fast_layers
-from .gdn import make_verifiable
-from .mtp import attach_mtp_head
+from .models.fast_layers import enable_fast_layers
+from .models.gdn import make_verifiable
+from .models.mtp import attach_mtp_head
 
 
 def prepare_model(model):
@@ -31,7 +30,7 @@ def load(
     """Load ``(model, tokenizer)`` like ``mlx_lm.load``, ready for speculation.
 
     For Qwen3-Next / Qwen3.5 the MTP head is attached as ``model.mtp_head``
-    (see :mod:`mlx_spec.mtp.attach`): from ``mtp_path`` (a sidecar written by
+    (see :mod:`mlx_spec.models.mtp.attach`): from ``mtp_path`` (a sidecar written by
     ``mlx_spec convert``), else the directory's ``mtp.safetensors``, else the
     ``mtp.*`` tensors of a raw checkpoint; None when there are none.
     """

@@ -12,14 +12,15 @@ import warnings
 
 import mlx_lm
 from mlx_lm import convert, load
+from mlx_lm.chat import setup_arg_parser as chat_arg_parser
 from mlx_lm.generate import (
     DEFAULT_QUANTIZED_KV_START,
     GenerationResponse,
     generate_step,
     generation_stream,
     maybe_quantize_kv_cache,
-    setup_arg_parser,
 )
+from mlx_lm.generate import setup_arg_parser as generate_arg_parser
 from mlx_lm.generate import stream_generate as plain_stream_generate
 from mlx_lm.generate import wired_limit
 from mlx_lm.models import qwen3_5, qwen3_next
@@ -99,6 +100,7 @@ __all__ = [
     "qwen3_5",
     "qwen3_next",
     "save_prompt_cache",
-    "setup_arg_parser",
+    "generate_arg_parser",
+    "chat_arg_parser",
     "wired_limit",
 ]

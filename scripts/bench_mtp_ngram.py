@@ -27,17 +27,17 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 import mlx_spec
-from mlx_spec.decode import speculative_generate_step
-from mlx_spec.drafters.combined import RULES, MTPNgramDrafter
+from mlx_spec.core.decode import speculative_generate_step
+from mlx_spec.core.stats import SpecStats
+from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
-from mlx_spec.mtp.testing import (
+from mlx_spec.testing.checkpoints import FAMILIES, write_tiny_checkpoint
+from mlx_spec.testing.mtp_heads import (
     cycle_order,
     write_cycle_checkpoint,
     write_predictive_checkpoint,
 )
-from mlx_spec.tiny_checkpoint import FAMILIES, write_tiny_checkpoint
-from mlx_spec.stats import SpecStats
 
 TEXT_PROMPTS = {
     "code": [
@@ -66,11 +66,40 @@ def cycle_prompts():
     }
 
 
+# Fixed rules tried against the package's scored choice ("adaptive"):
+# - agree: copy only when the head's next token agrees with it;
+# - agree_or_long: that, or a full max_ngram match (the package's rule while
+#   sampling);
+# - long: copy for a full max_ngram match only;
+# - ngram_first: copy whenever there is one.
+FIXED_RULES = ("agree", "agree_or_long", "long", "ngram_first")
+
+
+class FixedRuleDrafter(MTPNgramDrafter):
+    """``mtp+ngram`` deciding copy-or-MTP by one fixed rule before drafting."""
+
+    learns_choice = False
+
+    def __init__(self, head, max_ngram: int, rule: str):
+        super().__init__(head, max_ngram)
+        self.rule = rule
+
+    def prefer_copy(self, copy):
+        if self.rule == "agree_or_long":
+            return super().prefer_copy(copy)
+        if self.rule == "ngram_first" or self.mtp.next_logits() is None:
+            return True
+        if self.rule == "long":
+            return self.ngram.match_length() >= self.ngram.max_ngram
+        return int(mx.argmax(self.mtp.next_logits()).item()) == copy[0]
+
+
 def drafters(head, max_ngram=3):
     yield "mtp", lambda: MTPDrafter(head)
     yield "ngram", lambda: NgramDrafter(max_ngram)
-    for rule in RULES:
-        yield f"mtp+ngram:{rule}", lambda rule=rule: MTPNgramDrafter(
+    yield "mtp+ngram:adaptive", lambda: MTPNgramDrafter(head, max_ngram)
+    for rule in FIXED_RULES:
+        yield f"mtp+ngram:{rule}", lambda rule=rule: FixedRuleDrafter(
             head, max_ngram, rule
         )
 

@@ -19,8 +19,8 @@ import time
 import mlx.core as mx
 from mlx_lm.models import qwen3_next
 
-from mlx_spec.gdn import make_verifiable
-from mlx_spec.state import GDNSlotCache
+from mlx_spec.core.state import GDNSlotCache
+from mlx_spec.models.gdn import make_verifiable
 
 DIMS = {
     # Qwen3-Next-80B-A3B GDN layer (docs/rollback.md)

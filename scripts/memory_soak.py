@@ -14,44 +14,11 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
-
 import mlx_spec
 from mlx_spec.demo import default_model_path
-from mlx_spec.drafters import make_drafter
-from mlx_spec.mtp.testing import cycle_order, write_cycle_checkpoint
-from mlx_spec.tiny_checkpoint import FAMILIES
-
-
-def kv_cache_bytes(caches) -> int:
-    arrays = []
-    for c in caches:
-        for part in (getattr(c, "keys", None), getattr(c, "values", None)):
-            arrays += part if isinstance(part, (list, tuple)) else [part]
-    return sum(a.nbytes for a in arrays if isinstance(a, mx.array))
-
-
-def soak(model, tok, prompt, draft, rollback, tokens, every):
-    cache = make_prompt_cache(model)
-    drafter = make_drafter(draft, model)
-    head = getattr(drafter, "mtp", drafter)
-    tok.eos_token_ids = set()
-    row = []
-    for r in mlx_spec.stream_generate(
-        model,
-        tok,
-        prompt,
-        tokens,
-        draft=drafter,
-        num_draft_tokens=8,
-        rollback=rollback,
-        prompt_cache=cache,
-    ):
-        if r.generation_tokens % every == 0:
-            kv = kv_cache_bytes(list(cache) + list(getattr(head, "cache", None) or []))
-            row.append((mx.get_active_memory() - kv) / 2**20)
-    return row, r.stats
+from mlx_spec.testing.checkpoints import FAMILIES
+from mlx_spec.testing.memory import memory_readings
+from mlx_spec.testing.mtp_heads import cycle_order, write_cycle_checkpoint
 
 
 def main():
@@ -74,10 +41,16 @@ def main():
         prompt = tok.encode(prompt) if isinstance(prompt, str) else prompt
         for draft in ("ngram", "mtp", "mtp+ngram"):
             for rollback in ("store", "replay"):
-                row, stats = soak(
-                    model, tok, prompt, draft, rollback, args.tokens, args.every
+                readings, stats = memory_readings(
+                    model,
+                    tok,
+                    prompt,
+                    draft,
+                    range(args.every, args.tokens + 1, args.every),
+                    num_draft_tokens=8,
+                    rollback=rollback,
                 )
-                cells = " ".join(f"{m:7.1f}" for m in row)
+                cells = " ".join(f"{m / 2**20:7.1f}" for m in readings)
                 print(
                     f"{name:<12} {draft:<10} {rollback:<8} {stats.acceptance_rate:4.2f}"
                     f"                {cells}",

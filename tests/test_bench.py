@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import mlx_spec.bench as bench
+import mlx_spec.commands.bench as bench
 
 ROW_KEYS = {
     "workload": str,

@@ -14,8 +14,8 @@ import pytest
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
-from mlx_spec.chat import ChatSession, main, setup_parser
-from mlx_spec.prompt_cache import save_session
+from mlx_spec.commands.chat import ChatSession, main, setup_parser
+from mlx_spec.commands.session import save_session
 
 TURNS = ["def area(width, height):", "x = area(3, 4)", "print(x)"]
 

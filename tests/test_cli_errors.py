@@ -6,8 +6,8 @@ import shutil
 import mlx.core as mx
 import pytest
 
-from mlx_spec.cli import main
-from mlx_spec.convert import convert
+from mlx_spec.commands.cli import main
+from mlx_spec.commands.convert import convert
 
 CASES = (
     "another_models_sidecar",

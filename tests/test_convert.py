@@ -14,15 +14,15 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import mlx_spec
-from mlx_spec.convert import build_parser, convert, main
-from mlx_spec.decode import speculative_generate_step
+from mlx_spec.commands.convert import build_parser, convert, main
+from mlx_spec.core.decode import speculative_generate_step
+from mlx_spec.core.stats import SpecStats
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.mtp import MTPDrafter
-from mlx_spec.mtp import MTP_NORMS, MTPUnavailableError, MTPWeightsError
-from mlx_spec.mtp.weights import mtp_shards
-from mlx_spec.mtp.testing import write_predictive_checkpoint
-from mlx_spec.tiny_checkpoint import FAMILIES, write_tiny_checkpoint
-from mlx_spec.stats import SpecStats
+from mlx_spec.models.mtp import MTP_NORMS, MTPUnavailableError, MTPWeightsError
+from mlx_spec.models.mtp.weights import mtp_shards
+from mlx_spec.testing.checkpoints import FAMILIES, write_tiny_checkpoint
+from mlx_spec.testing.mtp_heads import write_predictive_checkpoint
 
 PROMPT = "def push(self, value: int) -> None:\n"
 
@@ -118,7 +118,7 @@ def test_sidecar_metadata(dirs):
     assert meta["mlx_spec.sanitized"] == "true" and meta["mlx_spec.kind"] == "mtp"
     assert meta["mlx_spec.model_type"] == "qwen3_5_moe"
     assert meta["mlx_spec.hidden_size"] == "64" and meta["mlx_spec.vocab_size"] == "512"
-    assert len(meta["mlx_spec.fingerprint"]) == 16
+    assert len(meta["mlx_spec.models.fingerprint"]) == 16
     assert meta["mlx_spec.dtype"] == "float32" and meta["mlx_spec.bits"] == "0"
 
 
@@ -334,8 +334,8 @@ def test_sidecar_of_another_model_with_the_same_config_is_refused(dirs, tmp_path
     mlx1 = save_mlx_dir(raw1, tmp_path / "seed1_mlx")
     assert main(["--hf-path", str(raw1), "--mlx-path", str(mlx1), "--no-progress"]) == 0
     assert (
-        sidecar_meta(mlx1)["mlx_spec.fingerprint"]
-        == sidecar_meta(mlx0)["mlx_spec.fingerprint"]
+        sidecar_meta(mlx1)["mlx_spec.models.fingerprint"]
+        == sidecar_meta(mlx0)["mlx_spec.models.fingerprint"]
     )  # the configs agree
     other = mlx1 / "mtp.safetensors"
     for target in (mlx0, raw0):

@@ -6,8 +6,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlx_spec
-from conftest import OracleDrafter, prompts, reference_tokens, spec_tokens
-from mlx_spec.tiny_checkpoint import FAMILIES
+from mlx_spec.testing.checkpoints import FAMILIES
+from mlx_spec.testing.reference import (
+    OracleDrafter,
+    prompts,
+    reference_tokens,
+    spec_tokens,
+)
 
 
 @pytest.mark.parametrize("kind", ["random", "repetitive", "mixed"])
@@ -68,7 +73,7 @@ def test_eos_inside_accepted_draft_ends_generation(models, family):
             )
         )
     finally:
-        tok.eos_token_ids = {mlx_spec.tiny_checkpoint.EOS_TOKEN_ID}
+        tok.eos_token_ids = {mlx_spec.testing.checkpoints.EOS_TOKEN_ID}
     assert [r.token for r in responses] == ref_eos
     last = responses[-1]
     assert last.token == eos and last.finish_reason == "stop"

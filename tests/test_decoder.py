@@ -2,12 +2,16 @@
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import OracleDrafter, prompts
-from mlx_spec.decode import SpeculativeDecoder, speculative_generate_step
+from mlx_spec.core.decode import SpeculativeDecoder, speculative_generate_step
 from mlx_spec.drafters import make_drafter
+from mlx_spec.testing.reference import (
+    OracleDrafter,
+    cache_arrays,
+    prompts,
+    reference_tokens,
+)
 
 TURNS = [
     prompts("mixed", seed=1),
@@ -16,34 +20,14 @@ TURNS = [
 ]
 
 
-def _cache_arrays(caches):
-    out = []
-    for c in caches:
-        if hasattr(c, "keys_and_values"):
-            out += list(c.keys_and_values())
-        else:
-            out += list(c.cache)
-    return out
-
-
 def plain_conversation(model, tok, turns, max_tokens):
     """mlx-lm chat semantics: one prompt cache across turns, each turn's
     tokens prefilled on top of it."""
     cache = make_prompt_cache(model)
-    replies = []
-    for turn in turns:
-        replies.append(
-            [
-                r.token
-                for r in mlx_stream_generate(
-                    model,
-                    tok,
-                    mx.array(turn),
-                    max_tokens=max_tokens,
-                    prompt_cache=cache,
-                )
-            ]
-        )
+    replies = [
+        reference_tokens(model, tok, turn, max_tokens, prompt_cache=cache)
+        for turn in turns
+    ]
     return replies, cache
 
 
@@ -82,7 +66,7 @@ def test_turns_match_plain_and_state_is_exact(models, family, drafter_kind):
     # Only each turn's own tokens were prefilled: the history is the conversation.
     assert decoder.history == sequence
     decoder.flush()
-    a, b = _cache_arrays(ref_cache), _cache_arrays(decoder.cache.caches)
+    a, b = cache_arrays(ref_cache), cache_arrays(decoder.cache.caches)
     mx.eval(a, b)
     assert all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(a, b))
 
@@ -112,7 +96,7 @@ def test_stop_token_inside_accepted_draft_leaves_plain_state(models):
     assert [t for t, _, _ in steps] == ref[0]
     assert steps[-1][2], "the stop token was an accepted draft"
     assert decoder.pending == []  # the target already processed it
-    a, b = _cache_arrays(ref_cache), _cache_arrays(decoder.cache.caches)
+    a, b = cache_arrays(ref_cache), cache_arrays(decoder.cache.caches)
     mx.eval(a, b)
     assert all(mx.array_equal(x, y).item() for x, y in zip(a, b))
 

@@ -2,10 +2,15 @@
 
 import pytest
 
-from conftest import OracleDrafter, prompts, reference_tokens, spec_tokens
-from mlx_spec.decode import SpeculativeDecoder
+from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.base import Drafter, as_drafter
+from mlx_spec.testing.reference import (
+    OracleDrafter,
+    prompts,
+    reference_tokens,
+    spec_tokens,
+)
 
 
 @pytest.mark.parametrize("name", ["ngram", "mtp", "mtp+ngram"])

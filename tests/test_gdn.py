@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache
 
-from mlx_spec.gdn import make_verifiable
-from mlx_spec.state import GDNSlotCache
+from mlx_spec.core.state import GDNSlotCache
+from mlx_spec.models.gdn import make_verifiable
 
 
 def _gdn_layers(model):

@@ -9,7 +9,12 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.models import llama, qwen3
 
 import mlx_spec
-from conftest import OracleDrafter, prompts, reference_tokens, spec_tokens
+from mlx_spec.testing.reference import (
+    OracleDrafter,
+    prompts,
+    reference_tokens,
+    spec_tokens,
+)
 
 
 def test_responses_match_mlx_lm_text_and_fields(models, family):

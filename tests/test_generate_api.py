@@ -2,53 +2,19 @@
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_spec
-from conftest import OracleDrafter, prompts, reference_tokens
-from mlx_spec.state import GDNSlotCache
+from mlx_spec.testing.reference import (
+    OracleDrafter,
+    cache_arrays,
+    cache_offsets,
+    prompts,
+    reference_tokens,
+    spec_tokens,
+)
 
 DRAFTS = ["ngram", "mtp", "mtp+ngram"]
-
-
-def _cache_arrays(caches):
-    """Every array a prompt cache holds (KV buffers up to their offset)."""
-    out = []
-    for c in caches:
-        if isinstance(c, GDNSlotCache) or not hasattr(c, "offset"):
-            out += list(c.cache)
-        else:
-            out += [x[..., : c.offset, :] for x in _leaves([c.keys, c.values])]
-    return out
-
-
-def _leaves(tree):
-    if isinstance(tree, mx.array):
-        yield tree
-    else:
-        for x in tree:
-            yield from _leaves(x)
-
-
-def _offsets(caches):
-    return [c.offset for c in caches if hasattr(c, "offset")]
-
-
-def _run(fn, model, tok, prompt, cache, max_tokens, stop_after=None, **kwargs):
-    tokens = []
-    for r in fn(
-        model,
-        tok,
-        mx.array(prompt),
-        max_tokens=max_tokens,
-        prompt_cache=cache,
-        **kwargs,
-    ):
-        tokens.append(r.token)
-        if stop_after is not None and len(tokens) == stop_after:
-            break
-    return tokens
 
 
 @pytest.mark.parametrize("draft", DRAFTS + ["none"])
@@ -59,18 +25,23 @@ def test_reused_prompt_cache_matches_mlx_lm(models, plain_models, family, draft)
     plain, plain_tok = plain_models[family]
     ours, theirs = make_prompt_cache(model), make_prompt_cache(plain)
     calls = [(prompts("repetitive"), 20, None), ([5, 6, 7], 17, None), ([9], 30, 11)]
-    spec = dict(draft=draft, num_draft_tokens=3)
     for prompt, max_tokens, stop_after in calls:
-        want, got = (
-            _run(fn, m, t, prompt, cache, max_tokens, stop_after, **kw)
-            for fn, m, t, cache, kw in (
-                (mlx_stream_generate, plain, plain_tok, theirs, {}),
-                (mlx_spec.stream_generate, model, tok, ours, spec),
-            )
+        want = reference_tokens(
+            plain, plain_tok, prompt, max_tokens, stop_after, prompt_cache=theirs
+        )
+        got = spec_tokens(
+            model,
+            tok,
+            prompt,
+            max_tokens,
+            stop_after,
+            prompt_cache=ours,
+            draft=draft,
+            num_draft_tokens=3,
         )
         assert got == want
-        assert _offsets(ours) == _offsets(theirs)
-        for a, b in zip(_cache_arrays(ours), _cache_arrays(theirs), strict=True):
+        assert cache_offsets(ours) == cache_offsets(theirs)
+        for a, b in zip(cache_arrays(ours), cache_arrays(theirs), strict=True):
             assert mx.array_equal(a, b)
 
 
@@ -83,25 +54,24 @@ def test_caller_stopping_mid_pass_keeps_only_what_it_saw(models, plain_models, f
     ref = reference_tokens(plain, plain_tok, prompt, 40)
     for stop_after in (1, 5, 6, 13):
         ours, theirs = make_prompt_cache(model), make_prompt_cache(plain)
-        _run(mlx_stream_generate, plain, plain_tok, prompt, theirs, 40, stop_after)
-        got = _run(
-            mlx_spec.stream_generate,
+        reference_tokens(plain, plain_tok, prompt, 40, stop_after, prompt_cache=theirs)
+        got = spec_tokens(
             model,
             tok,
             prompt,
-            ours,
             40,
             stop_after,
+            prompt_cache=ours,
             draft=OracleDrafter(prompt + ref),
             num_draft_tokens=6,
         )
         assert got == ref[:stop_after]
         assert (
-            _offsets(ours)
-            == _offsets(theirs)
-            == [len(prompt) + stop_after] * len(_offsets(ours))
+            cache_offsets(ours)
+            == cache_offsets(theirs)
+            == [len(prompt) + stop_after] * len(cache_offsets(ours))
         )
-        for a, b in zip(_cache_arrays(ours), _cache_arrays(theirs), strict=True):
+        for a, b in zip(cache_arrays(ours), cache_arrays(theirs), strict=True):
             assert mx.array_equal(a, b)
 
 
@@ -130,7 +100,7 @@ def test_bad_token_ids_are_refused_before_any_state_changes(
         if isinstance(name, int):
             with pytest.raises(ValueError, match=f"vocabulary of {vocab}"):
                 list(mlx_spec.stream_generate(model, tok, ids, 5, draft=draft))
-    assert _offsets(cache) == [0] * len(_offsets(cache))  # untouched
+    assert cache_offsets(cache) == [0] * len(cache_offsets(cache))  # untouched
     plain, plain_tok = plain_models["qwen3_next"]
     want = reference_tokens(plain, plain_tok, prompt, 12)
     got = [
@@ -161,7 +131,7 @@ def test_plain_decoding_takes_the_speculative_options(models, plain_models, opti
 
 
 def test_generate_command_with_plain_decoding(checkpoint_dirs, capsys):
-    from mlx_spec import generate_cli
+    from mlx_spec.commands import generate as generate_cli
 
     path = str(checkpoint_dirs["qwen3_next"])
     for flags in (["--draft", "none"], ["--num-draft-tokens", "0"]):

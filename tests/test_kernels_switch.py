@@ -17,7 +17,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
-from conftest import OracleDrafter, reference_tokens, spec_tokens
 from mlx_lm.models import gated_delta as gd
 from mlx_lm.models import qwen3_next
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
@@ -25,26 +24,22 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from metal_kernels.attention import (
+from mlx_spec.commands import bench_kernels
+from mlx_spec.kernels import switch as kernels
+from mlx_spec.kernels.attention import (
     attention_reference,
     mtp_attention_reference,
     verify_attention,
 )
-from metal_kernels.gated_delta import gated_delta_steps, gated_delta_steps_reference
-from metal_kernels.moe import experts_reference, moe_experts, moe_reference
-from mlx_spec import fast_layers, kernels
-from mlx_spec.fast_layers import FastAttention, FastSwitchGLU, enable_fast_layers
+from mlx_spec.kernels.gated_delta import gated_delta_steps, gated_delta_steps_reference
+from mlx_spec.kernels.moe import experts_reference, moe_experts, moe_reference
+from mlx_spec.models import fast_layers
+from mlx_spec.models.fast_layers import FastAttention, FastSwitchGLU, enable_fast_layers
+from mlx_spec.testing.reference import OracleDrafter, reference_tokens, spec_tokens
 
 pytestmark = pytest.mark.skipif(
     mx.metal.is_available(), reason="checks the behaviour without Metal"
 )
-
-
-@pytest.fixture(autouse=True)
-def _fresh_switch():
-    kernels.reset()
-    yield
-    kernels.reset()
 
 
 def kernel_warnings(record):
@@ -194,7 +189,7 @@ def test_attention_references_equal_mlx_lm(T, N):
 def tiny_args(**over):
     from mlx_lm.models.qwen3_next import ModelArgs
 
-    from mlx_spec.tiny_checkpoint import tiny_config
+    from mlx_spec.testing.checkpoints import tiny_config
 
     cfg = tiny_config("qwen3_next", **over)
     cfg["model_type"] = "qwen3_next"
@@ -202,7 +197,7 @@ def tiny_args(**over):
 
 
 def test_enable_fast_layers_hooks_without_copies():
-    from mlx_spec.mtp.head import MTPHead
+    from mlx_spec.models.mtp.head import MTPHead
 
     args = tiny_args()
     tree = nn.Module()  # a stand-in module tree
@@ -244,7 +239,7 @@ def test_models_mlx_spec_did_not_load_stay_mlx_lm(checkpoint_dirs, models, famil
 def test_fast_layers_equal_mlx_lm_layers(mode):
     """Bit for bit: attention (no cache, a KVCache, the MTP head's f16 cache)
     and the MoE block, with every mode (no Metal here)."""
-    from mlx_spec.mtp.head import MTPKVCache
+    from mlx_spec.models.mtp.head import MTPKVCache
 
     args = tiny_args()
     mx.random.seed(2)
@@ -279,7 +274,7 @@ def test_fast_layers_equal_mlx_lm_layers(mode):
 
 def test_generation_with_kernels_on_without_metal(tmp_path, monkeypatch):
     import mlx_spec
-    from mlx_spec.tiny_checkpoint import write_tiny_checkpoint
+    from mlx_spec.testing.checkpoints import write_tiny_checkpoint
 
     path = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3_next", seed=0)
     plain_model, tokenizer = mlx_lm.load(str(path))
@@ -300,7 +295,7 @@ def test_generation_with_kernels_on_without_metal(tmp_path, monkeypatch):
 
 
 def test_bench_kernels_without_metal(capsys):
-    assert kernels.main(["--quick"]) == 0
+    assert bench_kernels.main(["--quick"]) == 0
     out = capsys.readouterr().out
     assert "timing the MLX reference paths only" in out and "BLAS" in out
     for name in ("gdn", "attention", "moe", "mtp_attention"):

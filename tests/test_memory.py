@@ -6,15 +6,13 @@ read MLX's active memory at two points of a long run and require it not to
 grow beyond what the KV caches themselves add (target and MTP head).
 """
 
-import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_spec
 from mlx_spec.demo import default_model_path
-from mlx_spec.drafters import make_drafter
-from mlx_spec.mtp.testing import cycle_order, write_cycle_checkpoint
-from mlx_spec.tiny_checkpoint import FAMILIES
+from mlx_spec.testing.checkpoints import FAMILIES
+from mlx_spec.testing.memory import memory_readings
+from mlx_spec.testing.mtp_heads import cycle_order, write_cycle_checkpoint
 
 # Growth allowed between the two readings besides the KV caches: the pending
 # MTP rows (at most 64 hidden states) and allocator slack. The defect this
@@ -22,53 +20,12 @@ from mlx_spec.tiny_checkpoint import FAMILIES
 SLACK_BYTES = 1 << 20
 
 
-def _kv_bytes(caches) -> int:
-    """Bytes of the attention caches' key/value buffers (they grow by design)."""
-    total = 0
-    for c in caches:
-        for name in ("keys", "values"):
-            for a in _arrays(getattr(c, name, None)):
-                total += a.nbytes
-    return total
-
-
-def _arrays(value):
-    if isinstance(value, mx.array):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _arrays(v)
-
-
-def _drafter_caches(drafter):
-    head = getattr(drafter, "mtp", drafter)  # mtp+ngram holds an MTP drafter
-    return list(getattr(head, "cache", None) or [])
-
-
 def memory_growth(model, tok, prompt, draft, marks, **kwargs):
-    """Active-memory growth (bytes) between the ``marks`` token counts, less
-    the KV caches' growth, and the run's stats."""
-    cache = make_prompt_cache(model)
-    drafter = make_drafter(draft, model)
-    eos, tok.eos_token_ids = tok.eos_token_ids, set()  # run the full length
-    readings = []
-    try:
-        for r in mlx_spec.stream_generate(
-            model,
-            tok,
-            prompt,
-            marks[-1],
-            draft=drafter,
-            prompt_cache=cache,
-            **kwargs,
-        ):
-            if r.generation_tokens in marks:
-                kv = _kv_bytes(list(cache) + _drafter_caches(drafter))
-                readings.append(mx.get_active_memory() - kv)
-    finally:
-        tok.eos_token_ids = eos
+    """Active-memory growth (bytes) between the first and last of ``marks``,
+    less the KV caches' growth, and the run's stats."""
+    readings, stats = memory_readings(model, tok, prompt, draft, marks, **kwargs)
     assert len(readings) == len(marks)
-    return readings[-1] - readings[0], r.stats
+    return readings[-1] - readings[0], stats
 
 
 @pytest.fixture(scope="module")

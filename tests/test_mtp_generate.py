@@ -3,24 +3,24 @@
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
-from mlx_lm.generate import generate_step
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
 
 import mlx_spec
-from mlx_spec.decode import speculative_generate_step
+from mlx_spec.core.decode import speculative_generate_step
+from mlx_spec.core.stats import SpecStats
 from mlx_spec.drafters import DRAFTS, make_drafter
-from mlx_spec.drafters.combined import RULES, MTPNgramDrafter
+from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.generate import stream_generate
-from mlx_spec.mtp import MTPKVCache, MTPUnavailableError
-from mlx_spec.mtp.testing import (
+from mlx_spec.models.mtp import MTPKVCache, MTPUnavailableError
+from mlx_spec.testing.checkpoints import FAMILIES
+from mlx_spec.testing.mtp_heads import (
     cycle_order,
     write_cycle_checkpoint,
     write_predictive_checkpoint,
 )
-from mlx_spec.tiny_checkpoint import FAMILIES
-from mlx_spec.stats import SpecStats
 
 PROMPT = "def push(self, value: int) -> None:\n"
 COPY_PROMPT = "x = a + b\ny = a + b\nz = a + b\nw = a + b\nv = a"
@@ -116,7 +116,7 @@ def test_mtp_cache_matches_fresh_recompute(models, family):
     assert drafter.offset == drafter.verified == P
     hidden = model.model(mx.array(full[:-1])[None])  # [1, P, H]
     cache = model.mtp_head.make_cache()
-    hm = model.mtp_head.hidden(mx.array(full[1:])[None], hidden, cache)
+    hm = model.mtp_head.head_hidden(mx.array(full[1:])[None], hidden, cache)
     keys, values = drafter.cache[0].keys, drafter.cache[0].values
     assert mx.allclose(keys[..., :P, :], cache[0].keys[..., :P, :], atol=5e-3).item()
     assert mx.allclose(
@@ -175,12 +175,11 @@ def cycle_model(tmp_path_factory):
     return mlx_spec.load(write_cycle_checkpoint(path, "qwen3_next", mtp_noise=2.0))
 
 
-@pytest.mark.parametrize("rule", RULES)
-def test_combined_uses_both_and_keeps_mtp_cache(cycle_model, rule):
+def test_combined_uses_both_and_keeps_mtp_cache(cycle_model):
     model, _ = cycle_model
     order = cycle_order(0)
     ids = order[100:130] + order[100:104]  # copies 26 tokens, then novel text
-    drafter = MTPNgramDrafter(model.mtp_head, max_ngram=3, rule=rule)
+    drafter = MTPNgramDrafter(model.mtp_head, max_ngram=3)
     out, stats = run_loop(model, ids, drafter, 4, max_tokens=48)
     ref = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=48)]
     assert out[:48] == ref
@@ -189,15 +188,16 @@ def test_combined_uses_both_and_keeps_mtp_cache(cycle_model, rule):
     assert stats.accepted > 0
     only_mtp, mtp_stats = run_loop(model, ids, MTPDrafter(model.mtp_head), 4, 48)
     assert only_mtp[:48] == ref
-    if rule == "adaptive":  # copying pays off here
-        assert stats.tokens_per_pass > mtp_stats.tokens_per_pass
+    assert stats.tokens_per_pass > mtp_stats.tokens_per_pass  # copying pays here
 
 
-@pytest.mark.parametrize("rule", RULES)
-def test_combined_rules_lossless(models, rule):
+@pytest.mark.parametrize("learns_choice", [True, False])
+def test_combined_lossless(models, monkeypatch, learns_choice):
+    """The scored choice, and the fixed rule it falls back to while sampling."""
+    monkeypatch.setattr(MTPNgramDrafter, "learns_choice", learns_choice)
     model, tok = models["qwen3_5_moe"]
     ids = tok.encode(COPY_PROMPT)
-    out, _ = run_loop(model, ids, MTPNgramDrafter(model.mtp_head, rule=rule), 5)
+    out, _ = run_loop(model, ids, MTPNgramDrafter(model.mtp_head), 5)
     ref = reference(model, tok, COPY_PROMPT)
     assert out[: len(ref)] == ref
 

@@ -2,7 +2,7 @@
 
 The reference reads the RAW tensors of the checkpoint file (zero-centred norms,
 per-expert or fused experts) and implements the forward of docs/mtp_head.md
-in float64; it shares no code with ``mlx_spec.mtp``. The only thing taken
+in float64; it shares no code with ``mlx_spec.models.mtp``. The only thing taken
 from MLX is the target's hidden state, which is the input of both.
 """
 
@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 import mlx_spec
 from mlx_spec.drafters.mtp import MTPDrafter
-from mlx_spec.tiny_checkpoint import FAMILIES, write_tiny_checkpoint
+from mlx_spec.testing.checkpoints import FAMILIES, write_tiny_checkpoint
 
 PROMPT = "def fibonacci(n: int) -> int:\n    a, b = 0, 1"
 REL_TOL = 1e-4

@@ -6,11 +6,11 @@ import pytest
 from scipy import stats as sps
 
 import mlx_spec
-import mlx_spec.verify as verify
-from conftest import prompts
-from mlx_spec.decode import speculative_generate_step
+import mlx_spec.core.verify as verify
+from mlx_spec.core.decode import speculative_generate_step
+from mlx_spec.core.sampling import Sampler, make_sampler, rejection_sample
 from mlx_spec.drafters import make_drafter
-from mlx_spec.sampling import Sampler, make_sampler, rejection_sample
+from mlx_spec.testing.reference import prompts
 
 V = 6
 
@@ -203,7 +203,7 @@ def test_ngram_sampling_matches_plain_distribution(models, copy_prompt):
 def predictive_model(tmp_path_factory):
     """A tiny qwen3_next whose MTP head predicts the target well, so sampled
     MTP drafts are often, but not always, accepted."""
-    from mlx_spec.mtp.testing import write_predictive_checkpoint
+    from mlx_spec.testing.mtp_heads import write_predictive_checkpoint
 
     path = write_predictive_checkpoint(tmp_path_factory.mktemp("pred"), "qwen3_next")
     return mlx_spec.load(path)[0]

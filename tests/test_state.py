@@ -4,18 +4,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from conftest import prompts
-from mlx_spec.state import SpeculativeCache
-
-
-def _arrays(caches):
-    out = []
-    for c in caches:
-        if isinstance(c, ArraysCache):
-            out += [x for x in c.cache]
-        else:
-            out += list(c.keys_and_values())
-    return out
+from mlx_spec.core.state import SpeculativeCache
+from mlx_spec.testing.reference import cache_arrays, prompts
 
 
 @pytest.mark.parametrize("rollback", ["store", "replay"])
@@ -35,7 +25,7 @@ def test_commit_equals_plain_decoding(models, family, rollback):
         model(block[None], cache=spec.caches)
         spec.commit(n)
 
-        a, b = _arrays(plain), _arrays(spec.caches)
+        a, b = cache_arrays(plain), cache_arrays(spec.caches)
         mx.eval(a, b)
         assert len(a) == len(b)
         for x, y in zip(a, b):

@@ -23,7 +23,7 @@ from chunked_gdn import (  # noqa: E402
 from demo_config import get_config  # noqa: E402
 
 import mlx_spec  # noqa: E402
-from mlx_spec.tiny_checkpoint import tensor_shapes  # noqa: E402
+from mlx_spec.testing.checkpoints import tensor_shapes  # noqa: E402
 
 
 def _gdn_inputs(B=2, T=45, Hk=2, Hv=4, Dk=16, Dv=8, seed=0):

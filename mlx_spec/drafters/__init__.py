@@ -24,7 +24,7 @@ def make_drafter(draft: str, model=None, max_ngram: int = 3):
     if draft in ("mtp", "mtp+ngram"):
         # The head comes from mlx_spec.load (model.mtp_head); the error for a
         # model without one says which command writes it.
-        from ..mtp import mtp_head_of
+        from ..models.mtp import mtp_head_of
         from .combined import MTPNgramDrafter
         from .mtp import MTPDrafter
 

@@ -26,6 +26,11 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
+# The caps on tokens drafted per verify pass (``num_draft_tokens``):
+MAX_DRAFT_TOKENS = 16  # a number given by the caller, any drafter
+MAX_MTP_DRAFT_TOKENS = 8  # the MTP head: one layer reused per step
+MAX_AUTO_DRAFT_TOKENS = 8  # "auto": the verify-cost profile covers T = 1..9
+
 
 class Drafter:
     """Base class of the drafters; see the module docstring for the contract."""

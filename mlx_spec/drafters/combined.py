@@ -6,22 +6,19 @@ hidden states in ``accept`` either way, and an n-gram step adds no draft-time
 MTP rows (nothing to trim).
 
 Each step has at most one candidate copy (the n-gram draft) and the MTP head's
-next token d_1 (free: computed by the last ``accept``). Rules (``rule=``),
-measured by ``scripts/bench_mtp_ngram.py``:
+next token d_1 (free: computed by the last ``accept``). With a copy, the head
+drafts too. Equal drafts: the head's. Otherwise, at their first difference j
+the verify settles who was right whenever the target gets that far:
+``emitted[j]`` is the target's token there, whichever draft was used (an
+accepted token or the correction). A decayed score of those wins picks the
+source at the next difference (ties: the copy for a full ``max_ngram``
+match). So it learns within a generation whether the head or the copy is
+more reliable, at every depth; the price is k - 1 head steps on copy steps.
 
-- ``"adaptive"`` (default): when there is a copy, draft with MTP too. Equal
-  drafts: the MTP one. Otherwise, at their first difference j the verify
-  settles who was right whenever the target gets that far: ``emitted[j]`` is
-  the target's token there, whichever draft was used (an accepted token or
-  the correction). A decayed score of those wins picks the source at the
-  next difference (ties: the copy for a full ``max_ngram`` match). So it
-  learns within a generation whether the head or the copy is more reliable,
-  at every depth; the price is k - 1 head steps on copy steps too.
-- ``"agree"``: copy only when d_1 agrees, else MTP.
-- ``"agree_or_long"``: copy when d_1 agrees or the match is a full
-  ``max_ngram``-gram, else MTP.
-- ``"long"``: copy for a full ``max_ngram``-gram match, else MTP.
-- ``"ngram_first"``: copy whenever there is one, else MTP.
+While sampling, the choice must not depend on the sampled draft, so
+:meth:`MTPNgramDrafter.prefer_copy` decides before the head drafts: the copy
+when the head's argmax agrees with it or the match is a full ``max_ngram``
+gram. ``scripts/bench_mtp_ngram.py`` compares this with other rules.
 """
 
 from typing import List, Optional, Sequence
@@ -32,22 +29,19 @@ from .base import Drafter
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
 
-RULES = ("adaptive", "agree", "agree_or_long", "long", "ngram_first")
 DECAY = 0.8  # weight of older disagreements in the adaptive score
 
 
 class MTPNgramDrafter(Drafter):
-    """Chooses per step between an n-gram draft and an MTP draft (see ``rule``)."""
+    """Chooses per step between an n-gram draft and an MTP draft."""
 
     name = "mtp+ngram"
     needs_hidden = True
+    learns_choice = True  # the scored choice above; False: ``prefer_copy`` only
 
-    def __init__(self, head, max_ngram: int = 3, rule: str = "adaptive"):
-        if rule not in RULES:
-            raise ValueError(f"unknown rule {rule!r}; choose one of {RULES}")
+    def __init__(self, head, max_ngram: int = 3):
         self.mtp = MTPDrafter(head)
         self.ngram = NgramDrafter(max_ngram=max_ngram)
-        self.rule = rule
         self.last_draft_source: Optional[str] = None
         self.steps = {"mtp": 0, "ngram": 0}
         self.score = {"mtp": 0.0, "ngram": 0.0}
@@ -91,17 +85,14 @@ class MTPNgramDrafter(Drafter):
         self.score = {"mtp": 0.0, "ngram": 0.0}
         self._divergence, self.last_draft_source = None, None
 
-    def _use_ngram(self, copy: List[int], rule: str) -> bool:
-        """Fixed rules: copy or MTP, decided before drafting with MTP."""
-        if not copy:
-            return False
-        # No MTP row yet (one-token prompt): the copy is the only draft.
-        if rule == "ngram_first" or self.mtp.next_logits() is None:
+    def prefer_copy(self, copy: List[int]) -> bool:
+        """Copy or MTP, decided before the head drafts: the copy when there
+        is no head row yet (one-token prompt), when the match is a full
+        ``max_ngram``-gram, or when the head's next token agrees with it."""
+        logits = self.mtp.next_logits()
+        if logits is None or self.ngram.match_length() >= self.ngram.max_ngram:
             return True
-        long = self.ngram.match_length() >= self.ngram.max_ngram
-        if rule == "long" or (rule == "agree_or_long" and long):
-            return long
-        return int(mx.argmax(self.mtp.next_logits()).item()) == copy[0]
+        return int(mx.argmax(logits).item()) == copy[0]
 
     def _adaptive(self, copy: List[int], k: int) -> List[int]:
         """Both drafts; at their first difference, the source with the better record."""
@@ -121,14 +112,10 @@ class MTPNgramDrafter(Drafter):
         self._divergence = None
         copy = self.ngram.draft(k)
         sampling = self.mtp.choose is not None
-        if (
-            self.rule == "adaptive"
-            and copy
-            and self.mtp.next_logits() is not None
-            and not sampling
-        ):
+        learn = self.learns_choice and not sampling
+        if copy and learn and self.mtp.next_logits() is not None:
             out = self._adaptive(copy, k)
-        elif self._use_ngram(copy, "agree_or_long" if sampling else self.rule):
+        elif copy and self.prefer_copy(copy):
             out = copy
         else:
             out = self.mtp.draft(k)

@@ -20,15 +20,14 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .base import Drafter
+from .base import MAX_MTP_DRAFT_TOKENS, Drafter
 
-MAX_MTP_DRAFT = 8
 PREFILL_CHUNK = 2048
 PENDING_ROWS = 64  # accepted rows deferred at most before a head forward
 
 
 class MTPDrafter(Drafter):
-    """Greedy drafting with an :class:`~mlx_spec.mtp.MTPHead`.
+    """Greedy drafting with an :class:`~mlx_spec.models.mtp.MTPHead`.
 
     ``last_draft_logits`` [m, V]: the head's logits that produced each of the
     m tokens of the last draft (row i -> d_{i+1}), kept for rejection sampling.
@@ -37,10 +36,10 @@ class MTPDrafter(Drafter):
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, head, max_draft: int = MAX_MTP_DRAFT):
-        if not 1 <= max_draft <= MAX_MTP_DRAFT:
+    def __init__(self, head, max_draft: int = MAX_MTP_DRAFT_TOKENS):
+        if not 1 <= max_draft <= MAX_MTP_DRAFT_TOKENS:
             raise ValueError(
-                f"max_draft must be in 1..{MAX_MTP_DRAFT}, got {max_draft}"
+                f"max_draft must be in 1..{MAX_MTP_DRAFT_TOKENS}, got {max_draft}"
             )
         self.head = head
         self.max_draft = max_draft
@@ -69,10 +68,10 @@ class MTPDrafter(Drafter):
     @property
     def offset(self) -> int:
         """Rows in the head's cache (after catching up on accepted rows)."""
-        self._catch_up()
+        self._run_pending()
         return self.cache[0].offset
 
-    def _catch_up(self):
+    def _run_pending(self):
         """Run the head over the accepted rows that are still pending, in one
         batched forward. Rows are deferred so that passes without a draft
         (``auto`` choosing k = 0) cost no head forward at all."""
@@ -84,17 +83,17 @@ class MTPDrafter(Drafter):
     def catch_up(self):
         """Process (and evaluate) the deferred rows now, so that timing a
         following ``draft`` measures only the cost of drafting."""
-        self._catch_up()
+        self._run_pending()
         mx.eval(self._logits, [c.state for c in self.cache])
 
     def next_logits(self) -> Optional[mx.array]:
         """The head's logits [V] for d_1 of the next draft (None: no row yet)."""
-        self._catch_up()
+        self._run_pending()
         return self._logits
 
     def _rows(self, tokens: mx.array, hidden: mx.array):
         """Append verified rows. tokens: [L]; hidden: [L, H]. Keeps the last row."""
-        hm = self.head.hidden(tokens[None], hidden[None], self.cache)  # [1, L, H]
+        hm = self.head.head_hidden(tokens[None], hidden[None], self.cache)  # [1, L, H]
         self._hm = hm[:, -1:]
         self._logits = self.head.logits(self._hm)[0, 0]
         self.verified += tokens.size
@@ -130,7 +129,7 @@ class MTPDrafter(Drafter):
     def state(self) -> List[mx.array]:
         """Arrays to save with a session: the verified cache rows of each
         layer (keys, values; float16) and the last row's post-norm hidden."""
-        self._catch_up()
+        self._run_pending()
         if self._hm is None:
             return []
         rows = []
@@ -155,7 +154,7 @@ class MTPDrafter(Drafter):
         if self._draft_rows:
             raise RuntimeError("draft() called twice without accept()")
         self.draft_probs = None
-        self._catch_up()
+        self._run_pending()
         if self._logits is None:
             self.last_draft_logits = None
             return []
@@ -164,7 +163,7 @@ class MTPDrafter(Drafter):
         for step in range(k):
             if step:
                 # Lazy chain: the token feeds the next embedding without a sync.
-                hm = self.head.hidden(tokens[-1].reshape(1, 1), hm, self.cache)
+                hm = self.head.head_hidden(tokens[-1].reshape(1, 1), hm, self.cache)
                 logits = self.head.logits(hm)[0, 0]
             rows.append(logits)
             if self.choose is None:
@@ -199,4 +198,4 @@ class MTPDrafter(Drafter):
             )
         self._pending.append((mx.array(list(emitted), dtype=mx.uint32), hidden))
         if sum(t.size for t, _ in self._pending) >= PENDING_ROWS:
-            self._catch_up()  # bounds the hidden states held
+            self._run_pending()  # bounds the hidden states held

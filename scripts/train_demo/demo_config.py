@@ -13,7 +13,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from mlx_spec.tiny_checkpoint import tiny_config  # noqa: E402
+from mlx_spec.testing.checkpoints import tiny_config  # noqa: E402
 
 
 @dataclass(frozen=True)

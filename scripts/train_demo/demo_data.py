@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from mlx_spec import tiny_tokenizer
+from mlx_spec.testing import tokenizer as tiny_tokenizer
 
 EOS_TOKEN = tiny_tokenizer.EOS_TOKEN
 EXCLUDED_DIRS = ("site-packages", "test", "tests", "idle_test", "__pycache__")
@@ -126,8 +126,7 @@ def build_corpus(
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int):
     """A byte-level BPE of ``vocab_size`` ids; EOS is the last id."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(

@@ -1,7 +1,7 @@
 """Export the trained demo model as a raw Hugging Face ``qwen3_next`` checkpoint.
 
 The inverse of what the loaders do (mlx-lm's ``Model.sanitize`` for the
-backbone, ``mlx_spec.mtp.weights.sanitize_mtp`` for the head):
+backbone, ``mlx_spec.models.mtp.weights.sanitize_mtp`` for the head):
 
 * stacked ``switch_mlp.{gate,up,down}_proj.weight`` [E, ...] -> per-expert
   ``mlp.experts.{e}.{gate,up,down}_proj.weight``;
@@ -26,9 +26,8 @@ from typing import Dict
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
-
 from demo_config import DemoConfig
+from mlx.utils import tree_flatten
 
 _ZERO_CENTRED = (
     ".input_layernorm.weight",

@@ -3,7 +3,7 @@
 The target is mlx-lm's own model class; during training its Gated-DeltaNet
 layers run the chunked rule of ``chunked_gdn.py`` (same function, tested
 against mlx-lm's recurrent ops) instead of the per-token loop. The MTP head
-is the project's :class:`mlx_spec.mtp.MTPHead` (the module inference runs),
+is the project's :class:`mlx_spec.models.mtp.MTPHead` (the module inference runs),
 bound to the frozen target: row p gets (token_{p+1}, h_p) with h the target's
 post-final-norm hidden state, and predicts token_{p+2}.
 
@@ -23,10 +23,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map_with_path
-
 from chunked_gdn import chunked_gdn
 from demo_config import DemoConfig
+from mlx.utils import tree_flatten, tree_map_with_path
 
 # Output projections: scaled down at init (residual branches).
 _OUT_PROJ = ("o_proj", "out_proj", "down_proj")
@@ -39,7 +38,7 @@ def build_target(cfg: DemoConfig, eos_token_id: int):
 
 
 def build_head(model):
-    from mlx_spec.mtp import MTPHead
+    from mlx_spec.models.mtp import MTPHead
 
     return MTPHead(model.args, model.model_type).bind(model)
 

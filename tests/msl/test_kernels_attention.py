@@ -1,4 +1,4 @@
-"""Verify attention and MTP attention (metal_kernels.attention) in the harness.
+"""Verify attention and MTP attention (mlx_spec.kernels.attention) in the harness.
 
 Checks: against MLX's attention on the real attention dims of
 Qwen3-Next-80B-A3B / Qwen3.5-35B-A3B (16 query / 2 KV heads of 256; T 1-9,
@@ -12,7 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_kernels.attention import (
+from mlx_spec.kernels import switch as kernels
+from mlx_spec.kernels.attention import (
     SPLIT,
     attention_kernel,
     attention_reference,
@@ -20,7 +21,6 @@ from metal_kernels.attention import (
     mtp_attention_reference,
     verify_attention,
 )
-from mlx_spec import kernels
 
 from . import harness
 
@@ -61,13 +61,6 @@ def on_harness(fn, *args):
         out = fn(*args)
         mx.eval(out)
     return out
-
-
-@pytest.fixture(autouse=True)
-def _fresh_switch():
-    kernels.reset()
-    yield
-    kernels.reset()
 
 
 def exact(q, k, v, mask):

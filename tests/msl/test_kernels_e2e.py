@@ -16,19 +16,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
-from conftest import OracleDrafter, reference_tokens, spec_tokens
 
-from mlx_spec import kernels
-from mlx_spec.fast_layers import enable_fast_layers
+from mlx_spec.commands import bench_kernels
+from mlx_spec.kernels import attention, gated_delta, moe
+from mlx_spec.kernels import switch as kernels
+from mlx_spec.models.fast_layers import enable_fast_layers
+from mlx_spec.testing.reference import OracleDrafter, reference_tokens, spec_tokens
 
 from . import harness
-
-
-@pytest.fixture(autouse=True)
-def _fresh_switch():
-    kernels.reset()
-    yield
-    kernels.reset()
 
 
 @contextlib.contextmanager
@@ -55,9 +50,9 @@ def harness_counting_launches():
 
 
 @pytest.mark.parametrize("draft", ["oracle", "mtp"])
-def test_generation_with_all_kernels_matches_mlx_lm(tmp_path, draft):
+def test_generation_with_all_kernels_matches_mlx_lm(tmp_path, monkeypatch, draft):
     import mlx_spec
-    from mlx_spec.tiny_checkpoint import write_tiny_checkpoint
+    from mlx_spec.testing.checkpoints import write_tiny_checkpoint
 
     path = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3_next", head_dim=64)
     plain, tokenizer = mlx_lm.load(str(path))
@@ -73,19 +68,18 @@ def test_generation_with_all_kernels_matches_mlx_lm(tmp_path, draft):
         calls[name] = calls.get(name, 0) + 1
         return real_dispatch(name, *args, **kw)
 
+    for module in (gated_delta, attention, moe):  # each calls the switch's dispatch
+        monkeypatch.setattr(module, "dispatch", counting)
+
     drafter = OracleDrafter(prompt + want, error=0.3, seed=1)
     if draft == "mtp":  # the MTP head drafts: its attention over its f16 cache
         drafter = "mtp"
     with harness_counting_launches() as launches, kernels.use_mode("on"):
         with warnings.catch_warnings():
             warnings.simplefilter("error", kernels.KernelWarning)
-            kernels.dispatch = counting
-            try:
-                got = spec_tokens(
-                    model, tokenizer, prompt, 10, draft=drafter, num_draft_tokens=3
-                )
-            finally:
-                kernels.dispatch = real_dispatch
+            got = spec_tokens(
+                model, tokenizer, prompt, 10, draft=drafter, num_draft_tokens=3
+            )
     assert got == want
     assert {"gdn", "attention", "moe"} <= set(calls)
     assert ("mtp_attention" in calls) == (draft == "mtp")
@@ -108,7 +102,8 @@ def test_generation_with_all_kernels_matches_mlx_lm(tmp_path, draft):
 def test_bench_kernels_with_metal(capsys):
     with harness.use_harness():
         assert (
-            kernels.main(["--quick", "--kernel", "attention", "--kernel", "moe"]) == 0
+            bench_kernels.main(["--quick", "--kernel", "attention", "--kernel", "moe"])
+            == 0
         )
     out = capsys.readouterr().out
     assert "Metal: yes" in out and "speedup" in out
@@ -129,9 +124,9 @@ def test_auto_mode_decides_once_per_family(monkeypatch):
     decision; either way the result is the reference's or the kernel's."""
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from metal_kernels import attention as attn
-    from metal_kernels.attention import attention_reference, verify_attention
-    from metal_kernels.moe import experts_reference, moe_experts
+    from mlx_spec.kernels import attention as attn
+    from mlx_spec.kernels.attention import attention_reference, verify_attention
+    from mlx_spec.kernels.moe import experts_reference, moe_experts
 
     monkeypatch.setattr(attn, "AUTO_BENCH_N", 64)
     mx.random.seed(0)

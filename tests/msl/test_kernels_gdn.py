@@ -1,4 +1,4 @@
-"""The GDN verify kernel (metal_kernels.gated_delta) run by the MSL harness.
+"""The GDN verify kernel (mlx_spec.kernels.gated_delta) run by the MSL harness.
 
 Checks: against its reference (token-by-token mlx-lm) on the real
 Qwen3-Next-80B-A3B / Qwen3.5-35B-A3B GDN dims and on tiny odd shapes;
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from mlx_lm.models import gated_delta as gd
 
-from metal_kernels.gated_delta import (
+from mlx_spec.kernels import switch as kernels
+from mlx_spec.kernels.gated_delta import (
     gated_delta_steps,
     gated_delta_steps_reference,
     lanes_per_row,
 )
-from mlx_spec import kernels
 
 from . import harness
 
@@ -48,18 +48,14 @@ def make_inputs(B, T, Hk, Hv, Dk, Dv, dtype=mx.float32, seed=0, masked=False):
     return (q, k, v, a, b, A_log, dt_bias, state), mask
 
 
-def run_kernel(args, mask=None, **kw):
+def run_kernel(args, mask=None, keep_states=True):
+    """y and the per-token states stacked [T, B, Hv, Dv, Dk] (or the final
+    state), through the dispatcher with kernels on."""
     with harness.use_harness(), kernels.use_mode("on"):
-        out = gated_delta_steps(*args, mask, **kw)
-        mx.eval(out)
-    return out
-
-
-@pytest.fixture(autouse=True)
-def _fresh_switch():
-    kernels.reset()
-    yield
-    kernels.reset()
+        y, states = gated_delta_steps(*args, mask, keep_states=keep_states)
+        states = mx.stack(states) if keep_states else states
+        mx.eval(y, states)
+    return y, states
 
 
 @pytest.mark.parametrize("shape", REAL + TINY)
@@ -136,20 +132,31 @@ def test_bit_identical_to_mlx_lm_kernels_per_token(
     assert mx.array_equal(y, y_lm) and mx.array_equal(states, states_lm)
 
 
-def test_slot_pool_layout_and_final_state():
+def test_states_layout_and_final_state():
     args, _ = make_inputs(1, 3, 2, 4, 32, 16)
-    y, pool = run_kernel(args, n_slots=6)
-    assert pool.shape == (6, 1, 4, 16, 32)
+    y, states = run_kernel(args)
+    assert states.shape == (3, 1, 4, 16, 32)
     y2, final = run_kernel(args, keep_states=False)
     _, states_ref = gated_delta_steps_reference(*args)
     assert mx.array_equal(y, y2)
-    assert mx.array_equal(final, pool[2])
-    assert rel_err(pool[:3], mx.stack(states_ref)) < 1e-5
+    assert mx.array_equal(final, states[2])
+    assert rel_err(states, mx.stack(states_ref)) < 1e-5
+
+
+def test_dispatcher_returns_the_references_types():
+    """Kernel and reference both give the list of T per-token states."""
+    args, _ = make_inputs(1, 3, 2, 4, 32, 16)
+    for mode in ("on", "off"):
+        with harness.use_harness(), kernels.use_mode(mode):
+            _, states = gated_delta_steps(*args)
+            mx.eval(states)
+        assert isinstance(states, list) and len(states) == 3
+        assert all(s.shape == (1, 4, 16, 32) for s in states)
 
 
 @pytest.mark.parametrize("rollback", ["store", "replay"])
 def test_state_manager_rollback_through_kernel(rollback):
-    from mlx_spec.state import GDNSlotCache
+    from mlx_spec.core.state import GDNSlotCache
 
     (q, k, v, a, b, A_log, dt_bias, state), _ = make_inputs(1, 4, 2, 4, 32, 16)
     conv = mx.random.normal((1, 3 + 4, 8))

@@ -1,4 +1,4 @@
-"""The few-token MoE expert kernel (metal_kernels.moe) run by the MSL harness.
+"""The few-token MoE expert kernel (mlx_spec.kernels.moe) run by the MSL harness.
 
 Checks: against mlx-lm's ``SwitchGLU`` (the per-(token, expert) outputs
 ``[..., K, H]``, no weighted sum) on the real expert
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from metal_kernels.moe import (
+from mlx_spec.kernels import switch as kernels
+from mlx_spec.kernels.moe import (
     experts_kernel,
     experts_reference,
     kernel_plan,
@@ -24,7 +25,6 @@ from metal_kernels.moe import (
     moe_kernel,
     moe_reference,
 )
-from mlx_spec import kernels
 
 from . import harness
 
@@ -76,13 +76,6 @@ def on_harness(fn, *args):
     return out
 
 
-@pytest.fixture(autouse=True)
-def _fresh_switch():
-    kernels.reset()
-    yield
-    kernels.reset()
-
-
 @pytest.mark.parametrize("case", REAL + TINY)
 def test_matches_reference(case):
     sw, exact, x, inds, scores = make_case(*case)
@@ -114,8 +107,8 @@ def test_tokens_do_not_depend_on_each_other():
 
 
 def test_fast_switch_glu_runs_the_kernel(monkeypatch):
-    from metal_kernels import moe
-    from mlx_spec.fast_layers import FastSwitchGLU
+    from mlx_spec.kernels import moe
+    from mlx_spec.models.fast_layers import FastSwitchGLU
 
     sw, _, x, inds, _ = make_case(3, 40, 24, 5, 2, mx.float32, 0, seed=4)
     want = experts_reference(x, inds, sw)

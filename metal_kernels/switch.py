@@ -1,7 +1,7 @@
-"""The custom-kernel switch, the dispatch helper and ``mlx_spec bench-kernels``.
+"""The custom-kernel switch: which path each op takes, and the kernel cache.
 
-``MLX_SPEC_KERNELS`` selects, per process, where the Metal kernels of
-:mod:`metal_kernels` replace MLX's built-in paths:
+``MLX_SPEC_KERNELS`` selects, per process, where the Metal kernels of this
+package replace MLX's built-in paths:
 
 * ``auto`` (default): a kernel is used only where Metal exists and, by a
   short benchmark run on first use, it beats the built-in path. The decision
@@ -18,11 +18,9 @@ evaluated once per shape key on first use so that such failures surface
 inside the dispatcher, not later at ``mx.eval``.
 """
 
-import argparse
 import contextlib
 import os
 import statistics
-import sys
 import time
 import warnings
 from typing import Callable, Dict, Hashable, Optional, Set, Tuple
@@ -42,6 +40,7 @@ _warned: Set[Hashable] = set()
 _decisions: Dict[Tuple, bool] = {}
 _probed: Set[Tuple] = set()
 _broken: Set[Tuple] = set()
+_kernels: Dict[Tuple, object] = {}
 
 
 def mode() -> str:
@@ -83,14 +82,12 @@ def warn_once(key: Hashable, message: str):
 
 
 def reset():
-    """Forget warnings, decisions and probes (tests)."""
-    from metal_kernels._util import clear_kernel_cache
-
+    """Forget warnings, decisions, probes and built kernels (tests)."""
     _warned.clear()
     _decisions.clear()
     _probed.clear()
     _broken.clear()
-    clear_kernel_cache()
+    _kernels.clear()
 
 
 def time_call(fn: Callable[[], object], warmup: int = 1, reps: int = 5) -> float:
@@ -185,67 +182,25 @@ def _decide(name, pkey, kernel, reference, decide) -> bool:
         return False
 
 
-# ---------------------------------------------------------------------------
-# mlx_spec bench-kernels
-# ---------------------------------------------------------------------------
-def _blas_note() -> str:
-    if sys.platform == "darwin":
-        return "macOS (Accelerate)"
-    pre = os.environ.get("LD_PRELOAD", "")
-    if "openblas" in pre.lower():
-        return f"OpenBLAS preloaded ({pre})"
-    return "the mlx[cpu] wheel's reference BLAS (no OpenBLAS preloaded)"
+# -- building kernels ---------------------------------------------------------
+def cached_kernel(key: Tuple, build: Callable[[], object]):
+    """The kernel object for ``key``, built by ``build()`` on first use.
+
+    Built through whatever ``mx.fast.metal_kernel`` is current (MLX's, or the
+    MSL harness's under ``tests/msl``) and cached per that function too, so a
+    kernel built under the harness is never launched on Metal or vice versa.
+    """
+    full = (key, mx.fast.metal_kernel)
+    kernel = _kernels.get(full)
+    if kernel is None:
+        kernel = _kernels[full] = build()
+    return kernel
 
 
-def _fmt(seconds: float) -> str:
-    return f"{seconds * 1e3:9.3f} ms"
+def is_float(dtype) -> bool:
+    return dtype in (mx.float16, mx.bfloat16, mx.float32)
 
 
-def main(argv=None) -> int:
-    from metal_kernels import bench_cases
-
-    parser = argparse.ArgumentParser(
-        prog="mlx_spec bench-kernels",
-        description="Time each Metal kernel against MLX's built-in path on the "
-        "real Qwen3-Next / Qwen3.5 shapes (references only without Metal).",
-    )
-    parser.add_argument(
-        "--kernel",
-        action="append",
-        choices=("gdn", "attention", "moe", "mtp_attention"),
-        help="only these kernels (repeatable)",
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, 1 rep")
-    parser.add_argument("--reps", type=int, default=10)
-    args = parser.parse_args(argv)
-    reps = 1 if args.quick else max(1, args.reps)
-    metal = metal_available()
-    print(f"device: {mx.default_device()}, Metal: {'yes' if metal else 'no'}")
-    if not metal:
-        print("no Metal back-end here: timing the MLX reference paths only")
-        print(f"BLAS: {_blas_note()}")
-    header = f"{'kernel':<14} {'shape':<44} {'built-in':>12}"
-    if metal:
-        header += f" {'kernel':>12} {'speedup':>8}"
-    print(header)
-    for case in bench_cases(quick=args.quick, only=args.kernel):
-        line = f"{case.kernel_name:<14} {case.label:<44}"
-        try:
-            ref_t = time_call(case.reference, 1, reps)
-        except Exception as exc:  # e.g. CPU gather_mm: float32 only
-            reason = " ".join(str(exc).split())
-            print(f"{line} skipped, this device cannot run it: {reason}", flush=True)
-            continue
-        line += f" {_fmt(ref_t):>12}"
-        if metal:
-            try:
-                ker_t = time_call(case.kernel, 1, reps)
-                line += f" {_fmt(ker_t):>12} {ref_t / ker_t:7.2f}x"
-            except Exception as exc:
-                line += f" failed: {type(exc).__name__}: {exc}"
-        print(line, flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def kernel_stream():
+    """The stream kernels run on (the GPU, whatever the default device is)."""
+    return mx.gpu

@@ -11,7 +11,7 @@ Two sources of weights:
   safetensors metadata says (``mlx_spec.sanitized = "true"``), together with
   the model it belongs to (model type, hidden size, vocabulary size, a
   fingerprint of the architecture config, and the signature of the weights
-  the head shares with its target: see :mod:`mlx_spec.fingerprint`).
+  the head shares with its target: see :mod:`mlx_spec.models.fingerprint`).
 
 Whether the norms still need the ``+1`` is decided only from that metadata,
 never from the values, so nothing is ever shifted twice.
@@ -26,8 +26,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import mlx.core as mx
 from safetensors import safe_open
 
+from ...mlx_lm_compat import qwen3_5, qwen3_next
 from ..fingerprint import same_weights, signature_from_text, weight_signature
-from ..mlx_lm_compat import qwen3_5, qwen3_next
 
 SIDECAR_NAME = "mtp.safetensors"
 SIGNATURE_KEY = "mlx_spec.weights"
@@ -117,7 +117,7 @@ def model_metadata(model_type: str, args) -> Dict[str, str]:
         "mlx_spec.model_type": str(model_type),
         "mlx_spec.hidden_size": str(args.hidden_size),
         "mlx_spec.vocab_size": str(args.vocab_size),
-        "mlx_spec.fingerprint": config_fingerprint(model_type, args),
+        "mlx_spec.models.fingerprint": config_fingerprint(model_type, args),
     }
 
 

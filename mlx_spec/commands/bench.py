@@ -22,13 +22,12 @@ from typing import Dict, List
 
 import mlx.core as mx
 
-from .mlx_lm_compat import plain_stream_generate
-from .adaptive import verify_cost_profile
-from .cli_common import CommandError, bad_input, command, load_model
-from .drafters import DRAFTS
-from .generate import stream_generate
-from .generate_cli import draft_length
-from .stats import SpecStats
+from ..core.policy import verify_cost_profile
+from ..core.stats import SpecStats
+from ..drafters import DRAFTS
+from ..generate import stream_generate
+from ..mlx_lm_compat import plain_stream_generate
+from .common import CommandError, bad_input, command, draft_length, load_model
 
 KINDS = ("copy", "free", "long")
 

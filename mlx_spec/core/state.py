@@ -20,10 +20,9 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 
-from metal_kernels.gated_delta import gated_delta_steps
-
-from .mlx_lm_compat import ArraysCache, make_prompt_cache
-from .gdn import make_verifiable
+from ..kernels.gated_delta import gated_delta_steps
+from ..mlx_lm_compat import ArraysCache, make_prompt_cache
+from ..models.gdn import make_verifiable
 
 ROLLBACK_STRATEGIES = ("store", "replay")
 

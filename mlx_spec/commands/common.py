@@ -1,7 +1,8 @@
-"""What the commands share: bad input reported as one line with exit status 2,
-loading a model (every failure to load named by its directory or file), and
-the sampler their flags ask for."""
+"""What the commands share: the drafting flags added to mlx-lm's parsers, bad
+input reported as one line with exit status 2, loading a model (every failure
+to load named by its directory or file), and the sampler their flags ask for."""
 
+import argparse
 import functools
 import json
 import sys
@@ -10,12 +11,74 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from .demo import default_model_path
-from .loading import load
-from .mtp import SIDECAR_NAME
-from .sampling import make_sampler
+from ..core.sampling import make_sampler
+from ..core.state import ROLLBACK_STRATEGIES
+from ..demo import default_model_path
+from ..drafters import DRAFTS
+from ..drafters.base import MAX_DRAFT_TOKENS
+from ..loading import load
+from ..models.mtp import SIDECAR_NAME
 
 BAD_INPUT = 2  # exit status, as argparse uses for bad flags
+
+
+def draft_length(value: str):
+    """``--num-draft-tokens`` value: 'auto' or an integer (range checked later)."""
+    return value if value == "auto" else int(value)
+
+
+def add_speculation_flags(parser: argparse.ArgumentParser, prog: str, about: str):
+    """Turn one of mlx-lm's parsers into ``prog``'s: the demo model as the
+    default model, and the drafting flags (``--num-draft-tokens`` replaces
+    mlx-lm's where it has one)."""
+    parser.prog, parser.description = prog, about
+    parser.add_argument(
+        "--draft",
+        choices=DRAFTS,
+        default=None,
+        help="Drafter: 'mtp' the model's own multi-token-prediction head, "
+        "'ngram' a lookup of the context for a continuation, 'mtp+ngram' both, "
+        "'none' plain decoding (default: mtp+ngram when the model has an MTP "
+        "head, else ngram).",
+    )
+    parser.add_argument(
+        "--mtp-path",
+        help="MTP head sidecar (mtp.safetensors written by 'mlx_spec convert') "
+        "for a model directory without one.",
+    )
+    parser.add_argument(
+        "--max-ngram",
+        type=int,
+        default=3,
+        help="Longest n-gram the lookup drafter matches (>= 2).",
+    )
+    parser.add_argument(
+        "--rollback",
+        choices=ROLLBACK_STRATEGIES,
+        default="store",
+        help="How Gated-DeltaNet layers are rolled back after a verify pass.",
+    )
+    actions = {a.dest: a for a in parser._actions}
+    if "num_draft_tokens" not in actions:
+        actions["num_draft_tokens"] = parser.add_argument("--num-draft-tokens")
+    drafts = actions["num_draft_tokens"]
+    drafts.type, drafts.default = draft_length, "auto"
+    drafts.help = (
+        f"Tokens drafted per verify pass (0..{MAX_DRAFT_TOKENS}), or 'auto' "
+        "(default): chosen each pass from the measured verify cost and the "
+        "acceptance so far, 0 while speculation does not pay."
+    )
+    actions["model"].default = None
+    actions["model"].help = "Model directory (default: the bundled demo model)."
+    return parser
+
+
+def refuse_unsupported(args, flags):
+    """CommandError for the first of mlx-lm's ``flags`` (dest -> flag) that
+    is set but not implemented here."""
+    for dest, flag in flags.items():
+        if getattr(args, dest, None):
+            raise CommandError(f"{flag} is not supported with speculative decoding")
 
 
 class CommandError(Exception):

@@ -3,7 +3,7 @@
 mlx-lm's GDN layers keep only the state after the last token they process, so a
 speculative verify pass over ``T`` tokens cannot be undone. The subclasses here
 are mlx-lm's layers (``__call__`` is the parent's) except when their cache is a
-:class:`~mlx_spec.state.GDNSlotCache` that is capturing: then
+:class:`~mlx_spec.core.state.GDNSlotCache` that is capturing: then
 ``_verify_forward`` runs, which restates the parent's forward (projections,
 causal conv, q/k normalisation, recurrence, gated norm, output projection,
 each through the layer's own modules and mlx-lm's functions) and hands the
@@ -18,7 +18,7 @@ rather than handled differently.
 import mlx.core as mx
 import mlx.nn as nn
 
-from .mlx_lm_compat import normalize_qk, qwen3_5, qwen3_next
+from ..mlx_lm_compat import normalize_qk, qwen3_5, qwen3_next
 
 
 class _VerifyGDNMixin:

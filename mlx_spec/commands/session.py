@@ -17,10 +17,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .mlx_lm_compat import ArraysCache, load_prompt_cache, save_prompt_cache
-from .cli_common import one_line
-from .fingerprint import model_fingerprint
-from .state import GDNSlotCache
+from ..core.state import GDNSlotCache
+from ..mlx_lm_compat import ArraysCache, load_prompt_cache, save_prompt_cache
+from ..models.fingerprint import model_fingerprint
+from .common import one_line
 
 FORMAT = "mlx_spec.session.v1"
 

@@ -5,16 +5,18 @@ from typing import Any, Callable, Collection, Generator, List, Optional, Tuple, 
 
 import mlx.core as mx
 
-from .mlx_lm_compat import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
-from .adaptive import MAX_AUTO_DRAFT, DraftLengthPolicy, verify_cost_profile
-from .drafters.base import as_drafter
+from ..drafters.base import MAX_AUTO_DRAFT_TOKENS, as_drafter
+from ..mlx_lm_compat import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
+from .policy import (
+    DraftLengthPolicy,
+    most_drafts,
+    verify_cost_profile,
+)
 from .sampling import make_draft_sampler, make_sampler
 from .state import SpeculativeCache
 from .stats import PhaseClock, SpecStats
 from .target import Target
 from .verify import verify_draft
-
-MAX_DRAFT_TOKENS = 16
 
 
 def _score(
@@ -53,7 +55,7 @@ class SpeculativeDecoder:
         self,
         model,
         drafter=None,
-        max_draft: int = MAX_AUTO_DRAFT,
+        max_draft: int = MAX_AUTO_DRAFT_TOKENS,
         rollback: str = "store",
         prompt_cache: Optional[List[Any]] = None,
         prefill_step_size: int = 2048,
@@ -226,7 +228,7 @@ def speculative_generate_step(
     ``timing`` fills ``stats.phases`` (at the cost of extra syncs).
     """
     auto = num_draft_tokens == "auto"
-    max_draft = MAX_AUTO_DRAFT if auto else num_draft_tokens
+    max_draft = most_drafts(num_draft_tokens)
     if decoder is None:
         decoder = SpeculativeDecoder(
             model, drafter, max_draft, stats=stats, **decoder_args

@@ -20,10 +20,10 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from .mlx_lm_compat import make_prompt_cache
-from .fingerprint import model_fingerprint
+from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
+from ..mlx_lm_compat import make_prompt_cache
+from ..models.fingerprint import model_fingerprint
 
-MAX_AUTO_DRAFT = 8
 # Prior acceptance per position before any evidence, and its weight (in passes).
 _PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
 # Exponential forgetting: acceptance drifts with the content being generated.
@@ -35,7 +35,17 @@ CACHE_DIR_ENV = "MLX_SPEC_CACHE_DIR"  # default: ~/.cache/mlx_spec
 _profiles: Dict[int, List[float]] = {}  # id(model) -> costs, this process
 
 
-def verify_cost_profile(model, max_tokens: int = MAX_AUTO_DRAFT + 1, repeats: int = 3):
+def most_drafts(num_draft_tokens) -> int:
+    """The most tokens one pass drafts under ``num_draft_tokens`` ("auto"
+    or a number)."""
+    if num_draft_tokens == "auto":
+        return MAX_AUTO_DRAFT_TOKENS
+    return num_draft_tokens
+
+
+def verify_cost_profile(
+    model, max_tokens: int = MAX_AUTO_DRAFT_TOKENS + 1, repeats: int = 3
+):
     """Seconds of a target forward over T = 1..max_tokens tokens; index 0 is T = 1.
 
     Measured once per machine, MLX version, BLAS and model: kept for the
@@ -143,7 +153,9 @@ def _write_profile(key: str, costs: List[float]):
 class DraftLengthPolicy:
     """Online choice of the number of drafts per verify pass."""
 
-    def __init__(self, verify_costs: List[float], max_draft: int = MAX_AUTO_DRAFT):
+    def __init__(
+        self, verify_costs: List[float], max_draft: int = MAX_AUTO_DRAFT_TOKENS
+    ):
         self.verify_costs = list(verify_costs)  # seconds, index 0 = 1 token
         self.max_draft = min(max_draft, len(self.verify_costs) - 1)
         self.accepted = [0.0] * self.max_draft  # decayed counts per position

@@ -12,8 +12,8 @@ from typing import Callable, Iterable, List, NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_spec.mlx_lm_compat import SwitchGLU, compute_g, normalize_qk
 
+from ..mlx_lm_compat import SwitchGLU, compute_g, normalize_qk
 from . import attention as attn
 from . import gated_delta as gdn
 from . import moe

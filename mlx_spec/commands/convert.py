@@ -20,14 +20,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from . import mlx_lm_compat
-from .cli_common import BAD_INPUT, CommandError, check_model_files, one_line
-from .fingerprint import signature_to_text, weight_signature
-from .mtp.attach import build_head, load_mtp_weights
-from .mtp.weights import (
-    SIGNATURE_KEY,
+from .. import mlx_lm_compat
+from ..models.fingerprint import signature_to_text, weight_signature
+from ..models.mtp.attach import build_head, load_mtp_weights
+from ..models.mtp.weights import (
     PREFIX,
     SIDECAR_NAME,
+    SIGNATURE_KEY,
     MTPWeightsError,
     args_from_config,
     config_fingerprint,
@@ -35,6 +34,7 @@ from .mtp.weights import (
     model_metadata,
     write_sidecar,
 )
+from .common import BAD_INPUT, CommandError, check_model_files, one_line
 
 MTP_DTYPES = ("bfloat16", "float16", "float32")
 MTP_BITS = (4, 8)

@@ -28,7 +28,7 @@ from typing import Optional, Union
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from ..tiny_checkpoint import EOS_TOKEN_ID, write_tiny_checkpoint
+from .checkpoints import EOS_TOKEN_ID, write_tiny_checkpoint
 
 _OUTPUT_PROJS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "down_proj")
 # Per family, a target_scale that gives partial acceptance (measured: about

@@ -11,7 +11,7 @@ two kinds of module in ``model`` (and in an MTP head attached as
   ``SwitchGLU`` giving each (token, expert) pair's output ``[..., K, H]``,
   then the score-weighted sum itself. Each such ``switch_mlp`` becomes a
   :class:`FastSwitchGLU`, whose ``__call__`` is
-  :func:`metal_kernels.moe.moe_experts`: the expert kernel where the switch
+  :func:`mlx_spec.kernels.moe.moe_experts`: the expert kernel where the switch
   allows it, otherwise ``SwitchGLU.__call__`` itself.
 * **Attention.** ``Qwen3NextAttention.__call__`` (Qwen3.5 and the MTP head
   use the same class) calls the name ``scaled_dot_product_attention``, a
@@ -30,17 +30,16 @@ for bit. Parameters are kept.
 import types
 
 import mlx.core as mx
-from .mlx_lm_compat import (
+
+from ..kernels import switch as kernels
+from ..kernels.attention import mtp_attention, verify_attention
+from ..kernels.moe import moe_experts
+from ..mlx_lm_compat import (
     Qwen3NextAttention,
     Qwen3NextSparseMoeBlock,
     SwitchGLU,
     qwen3_next,
 )
-
-from metal_kernels.attention import mtp_attention, verify_attention
-from metal_kernels.moe import moe_experts
-
-from . import kernels
 
 
 class FastSwitchGLU(SwitchGLU):
@@ -98,9 +97,9 @@ def scaled_dot_product_attention(
 
     When kernels may run (``MLX_SPEC_KERNELS`` and Metal) and there are no
     attention sinks: over an MTP head's ``MTPKVCache``,
-    :func:`metal_kernels.attention.mtp_attention` on the stored float16 rows;
+    :func:`mlx_spec.kernels.attention.mtp_attention` on the stored float16 rows;
     over any other unquantised cache (or none),
-    :func:`metal_kernels.attention.verify_attention` (both run the kernel
+    :func:`mlx_spec.kernels.attention.verify_attention` (both run the kernel
     only for the shapes it takes, MLX's attention otherwise). Anything else
     (kernels off, no Metal, a quantised cache, sinks): mlx-lm's function.
 

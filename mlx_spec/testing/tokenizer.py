@@ -148,8 +148,15 @@ _PRETOKENIZE_REGEX = (
 
 @functools.lru_cache(maxsize=1)
 def tokenizer_json() -> str:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
-    from tokenizers import normalizers, pre_tokenizers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+    )
 
     normalizer = normalizers.NFC()
     pre = pre_tokenizers.Sequence(

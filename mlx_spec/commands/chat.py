@@ -2,7 +2,7 @@
 
 Across turns only the new tokens are prefilled: the target's KV and GDN state,
 the drafter's state (MTP cache, n-gram index) and the history carry over in one
-:class:`~mlx_spec.decode.SpeculativeDecoder`. Each turn's prompt is built as
+:class:`~mlx_spec.core.decode.SpeculativeDecoder`. Each turn's prompt is built as
 ``mlx_lm.chat`` builds it (the chat template applied to the new user message),
 or, for a tokenizer without a chat template, the user's text as a plain
 continuation of the conversation so far.
@@ -13,22 +13,30 @@ the tokens shown so far are kept, and the state is consistent (exactly as if
 generation had stopped there). Ctrl-C or Ctrl-D at the prompt exits.
 """
 
-import argparse
 import signal
 import time
 
 import mlx.core as mx
 
-from .adaptive import MAX_AUTO_DRAFT
-from .cli_common import bad_input, command, load_model, sampler_from_flags
-from .decode import SpeculativeDecoder, speculative_generate_step
-from .drafters import DRAFTS, default_draft, make_drafter
-from .generate import check_options
-from .generate_cli import draft_length
-from .prompt_cache import check_writable, load_session, save_session
-from .stats import SpecStats
+from ..core.decode import SpeculativeDecoder, speculative_generate_step
+from ..core.policy import most_drafts
+from ..core.stats import SpecStats
+from ..drafters import default_draft, make_drafter
+from ..generate import check_options
+from ..mlx_lm_compat import chat_arg_parser
+from .common import (
+    add_speculation_flags,
+    bad_input,
+    command,
+    load_model,
+    refuse_unsupported,
+    sampler_from_flags,
+)
+from .session import check_writable, load_session, save_session
 
 PROG = "mlx_spec chat"
+# mlx_lm.chat flags that speculative decoding here does not implement.
+_UNSUPPORTED = {"max_kv_size": "--max-kv-size", "pipeline": "--pipeline"}
 COMMANDS = {
     "/reset": "forget the conversation",
     "/stats": "speculation statistics",
@@ -55,12 +63,11 @@ class ChatSession:
         args = self.args
         draft = args.draft or default_draft(self.model)
         drafter = make_drafter(draft, self.model, max_ngram=args.max_ngram)
-        auto = args.num_draft_tokens == "auto"
-        max_draft = MAX_AUTO_DRAFT if auto else args.num_draft_tokens
         self.decoder = SpeculativeDecoder(
             self.model,
             drafter,
-            max_draft=max(max_draft, 1),
+            max_draft=max(most_drafts(args.num_draft_tokens), 1),
+            rollback=args.rollback,
             prefill_step_size=args.prefill_step_size,
             stats=self.session_stats,
         )
@@ -162,62 +169,16 @@ class _Interrupt:
 
 
 def setup_parser():
-    p = argparse.ArgumentParser(
-        prog="mlx_spec chat", description="Chat with speculative decoding."
+    parser = add_speculation_flags(
+        chat_arg_parser(), PROG, "Chat with speculative decoding."
     )
-    p.add_argument("--model", help="Model directory (default: the bundled demo model).")
-    p.add_argument(
-        "--mtp-path",
-        help="MTP head sidecar (mtp.safetensors written by 'mlx_spec convert') "
-        "for a model directory without one.",
-    )
-    p.add_argument(
-        "--draft",
-        choices=DRAFTS,
-        default=None,
-        help="Drafter (default: mtp+ngram with an MTP head, else ngram).",
-    )
-    p.add_argument("--num-draft-tokens", type=draft_length, default="auto")
-    p.add_argument("--max-ngram", type=int, default=3)
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="Enable trusting remote code for tokenizer",
-    )
-    p.add_argument(
-        "--adapter-path", help="Optional path for trained adapter weights and config."
-    )
-    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p")
-    p.add_argument(
-        "--xtc-probability",
-        type=float,
-        default=0.0,
-        help="Probability of XTC sampling at each token",
-    )
-    p.add_argument(
-        "--xtc-threshold",
-        type=float,
-        default=0.1,
-        help="Threshold the probabilities must reach for XTC sampling",
-    )
-    p.add_argument(
-        "--max-kv-size",
-        type=int,
-        default=None,
-        help="Not supported with speculative decoding (rotating caches).",
-    )
-    p.add_argument("--top-k", type=int, default=0, help="Sampling top-k")
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed")
-    p.add_argument("--max-tokens", "-m", type=int, default=256)
-    p.add_argument("--system-prompt", default=None)
-    p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument(
+    parser.add_argument("--top-k", type=int, default=0, help="Sampling top-k")
+    parser.add_argument(
         "--prompt-cache-file",
         help="Load the session from this file if it exists, and save it to "
         "exactly this path on exit.",
     )
-    return p
+    return parser
 
 
 def run_command(chat, line: str) -> bool:
@@ -265,8 +226,7 @@ def main(argv=None):
     cache_file = args.prompt_cache_file
     with bad_input():
         check_options(args.max_tokens, args.draft or "ngram", args.num_draft_tokens)
-        if args.max_kv_size is not None:
-            raise ValueError("--max-kv-size is not supported with speculative decoding")
+        refuse_unsupported(args, _UNSUPPORTED)
         if cache_file:
             check_writable(cache_file)
     mx.random.seed(args.seed)

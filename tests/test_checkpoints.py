@@ -1,4 +1,4 @@
-"""Tests for mlx_spec.tiny_checkpoint: raw-HF tiny Qwen3-Next / Qwen3.5 checkpoints."""
+"""Tests for mlx_spec.testing.checkpoints: raw-HF tiny Qwen3-Next / Qwen3.5 checkpoints."""
 
 import json
 import re
@@ -12,7 +12,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from safetensors.numpy import load_file
 
-from mlx_spec.tiny_checkpoint import (
+from mlx_spec.models.mtp import MTP_NORMS  # the seven norms the loader shifts
+from mlx_spec.testing.checkpoints import (
     EOS_TOKEN,
     EOS_TOKEN_ID,
     FAMILIES,
@@ -35,15 +36,6 @@ PREFIX = {
     "qwen3_5": "model.language_model.",
     "qwen3_5_moe": "model.language_model.",
 }
-MTP_NORMS = [
-    "mtp.pre_fc_norm_embedding.weight",
-    "mtp.pre_fc_norm_hidden.weight",
-    "mtp.norm.weight",
-    "mtp.layers.0.input_layernorm.weight",
-    "mtp.layers.0.post_attention_layernorm.weight",
-    "mtp.layers.0.self_attn.q_norm.weight",
-    "mtp.layers.0.self_attn.k_norm.weight",
-]
 ZERO_CENTRED = re.compile(
     r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|pre_fc_norm_\w+)"
     r"\.weight$|(^|\.)norm\.weight$"

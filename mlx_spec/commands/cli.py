@@ -5,11 +5,11 @@ import sys
 
 # command -> module with a ``main(argv)``
 COMMANDS = {
-    "generate": "mlx_spec.generate_cli",
-    "convert": "mlx_spec.convert",
-    "chat": "mlx_spec.chat",
-    "bench": "mlx_spec.bench",
-    "bench-kernels": "mlx_spec.kernels",
+    "generate": "mlx_spec.commands.generate",
+    "convert": "mlx_spec.commands.convert",
+    "chat": "mlx_spec.commands.chat",
+    "bench": "mlx_spec.commands.bench",
+    "bench-kernels": "mlx_spec.commands.bench_kernels",
 }
 
 

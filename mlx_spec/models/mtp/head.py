@@ -25,7 +25,8 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from ..mlx_lm_compat import (
+
+from ...mlx_lm_compat import (
     KVCache,
     Qwen3NextAttention,
     Qwen3NextMLP,
@@ -149,25 +150,27 @@ class MTPHead(nn.Module):
         """input_ids: [B, L] -> [B, L, H] through the target's embedding."""
         return text_model(self.target).model.embed_tokens(input_ids)
 
-    def logits(self, hidden: mx.array) -> mx.array:
-        """hidden: [B, L, H] (post ``mtp.norm``) -> [B, L, V] via the target's head."""
+    def logits(self, hm: mx.array) -> mx.array:
+        """hm: [B, L, H] (the head's post-``mtp.norm`` state) -> [B, L, V]
+        through the target's output head."""
         lm = text_model(self.target)
         if getattr(lm.args, "tie_word_embeddings", False):
-            return lm.model.embed_tokens.as_linear(hidden)
-        return lm.lm_head(hidden)
+            return lm.model.embed_tokens.as_linear(hm)
+        return lm.lm_head(hm)
 
     # -- forward -------------------------------------------------------------
 
     def make_cache(self) -> List[MTPKVCache]:
         return [MTPKVCache() for _ in self.layers]
 
-    def hidden(
+    def head_hidden(
         self,
         input_ids: mx.array,
         target_hidden: mx.array,
         cache: Optional[List[Any]] = None,
     ) -> mx.array:
-        """The post-``mtp.norm`` hidden state.
+        """The head's own post-``mtp.norm`` state ``hm`` (``hidden`` elsewhere
+        always means the target's).
 
         input_ids: [B, L] (token_{p+1}); target_hidden: [B, L, H] (h_p, the
         target's post-final-norm state). RoPE positions start at the cache
@@ -192,9 +195,9 @@ class MTPHead(nn.Module):
         target_hidden: mx.array,
         cache: Optional[List[Any]] = None,
     ) -> Tuple[mx.array, mx.array]:
-        """Logits [B, L, V] and post-norm hidden [B, L, H] of the head.
+        """Logits [B, L, V] and the head's state hm [B, L, H].
 
-        input_ids: [B, L]; target_hidden: [B, L, H]; see :meth:`hidden`.
+        input_ids: [B, L]; target_hidden: [B, L, H]; see :meth:`head_hidden`.
         """
-        hm = self.hidden(input_ids, target_hidden, cache)
+        hm = self.head_hidden(input_ids, target_hidden, cache)
         return self.logits(hm), hm

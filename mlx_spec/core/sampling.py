@@ -13,8 +13,9 @@ exact, fewer acceptances).
 from typing import List, Optional
 
 import mlx.core as mx
-from .mlx_lm_compat import apply_min_p, apply_top_k, apply_top_p
-from .mlx_lm_compat import mlx_lm_make_sampler as mlx_make_sampler
+
+from ..mlx_lm_compat import apply_min_p, apply_top_k, apply_top_p
+from ..mlx_lm_compat import mlx_lm_make_sampler as mlx_make_sampler
 
 
 class Sampler:

@@ -25,7 +25,7 @@ Values are a pure function of ``(seed, tensor name, shape)``: each tensor has it
 numpy Generator seeded from the seed and a CRC of its name, so the same seed always
 gives the same bytes, and changing one dimension leaves unrelated tensors unchanged.
 
-The tokenizer (``tiny_tokenizer.py``) is a 400-token byte-level BPE with
+The tokenizer (``tokenizer.py``) is a 400-token byte-level BPE with
 ``<|endoftext|>`` (id 399) as EOS and pad.
 """
 
@@ -39,7 +39,15 @@ from typing import Any, Dict, List, Tuple, Union
 
 import numpy as np
 
-from .tiny_tokenizer import (
+from .configs import (
+    DTYPES,
+    FAMILIES,
+    check_family,
+    default_dims,
+    resolve_dims,
+    tiny_config,
+)
+from .tokenizer import (
     EOS_TOKEN,
     EOS_TOKEN_ID,
     TOKENIZER_VOCAB_SIZE,
@@ -62,216 +70,11 @@ __all__ = [
     "write_tiny_checkpoint",
 ]
 
-FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 # Standard deviation of the zero-centred norm gammas (stored value; the model uses 1 + w).
 _NORM_STD = 0.2
 # Rows of the embedding / lm_head past the tokenizer's vocabulary (padding, as in the
 # real checkpoints) are scaled down so that greedy decoding rarely picks them.
 _PAD_ROW_SCALE = 0.1
-
-_COMMON_DIMS: Dict[str, Any] = {
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "full_attention_interval": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "partial_rotary_factor": 0.25,
-    "rope_theta": 10_000_000.0,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32,
-    "linear_conv_kernel_dim": 4,
-    "vocab_size": 512,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 4096,
-    "mtp_num_hidden_layers": 1,
-}
-_MOE_DIMS: Dict[str, Any] = {
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "norm_topk_prob": True,
-}
-_FAMILY_DIMS: Dict[str, Dict[str, Any]] = {
-    # Qwen3-Next has MoE on every layer; intermediate_size is still in its config.
-    "qwen3_next": {**_COMMON_DIMS, **_MOE_DIMS, "intermediate_size": 128},
-    "qwen3_5": {**_COMMON_DIMS, "intermediate_size": 128},
-    "qwen3_5_moe": {**_COMMON_DIMS, **_MOE_DIMS},
-}
-_TIED_DEFAULT = {"qwen3_next": False, "qwen3_5": True, "qwen3_5_moe": False}
-
-
-# --------------------------------------------------------------------------- config
-
-
-def _check_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-
-
-def default_dims(family: str) -> Dict[str, Any]:
-    """The default dimensions (flat dict, the keys ``**overrides`` accepts) of a family."""
-    _check_family(family)
-    return {**_FAMILY_DIMS[family], "tie_word_embeddings": _TIED_DEFAULT[family]}
-
-
-def _resolve_dims(family: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
-    dims = default_dims(family)
-    unknown = sorted(set(overrides) - set(dims))
-    if unknown:
-        raise ValueError(
-            f"unknown override(s) {unknown} for family {family!r}; "
-            f"accepted: {sorted(dims)}"
-        )
-    dims.update(overrides)
-    if dims["vocab_size"] < TOKENIZER_VOCAB_SIZE:
-        raise ValueError(
-            f"vocab_size={dims['vocab_size']} is smaller than the tokenizer's "
-            f"{TOKENIZER_VOCAB_SIZE} tokens"
-        )
-    if dims["linear_num_value_heads"] % dims["linear_num_key_heads"]:
-        raise ValueError(
-            f"linear_num_value_heads={dims['linear_num_value_heads']} is not a "
-            f"multiple of linear_num_key_heads={dims['linear_num_key_heads']}"
-        )
-    if dims["num_attention_heads"] % dims["num_key_value_heads"]:
-        raise ValueError(
-            f"num_attention_heads={dims['num_attention_heads']} is not a multiple of "
-            f"num_key_value_heads={dims['num_key_value_heads']}"
-        )
-    rot = dims["head_dim"] * dims["partial_rotary_factor"]
-    if rot != int(rot) or int(rot) % 2:
-        raise ValueError(
-            f"head_dim * partial_rotary_factor = {rot} must be an even integer"
-        )
-    if dims["mtp_num_hidden_layers"] < 0:
-        raise ValueError(
-            f"mtp_num_hidden_layers={dims['mtp_num_hidden_layers']} must be >= 0"
-        )
-    if "num_experts" in dims and not (
-        0 < dims["num_experts_per_tok"] <= dims["num_experts"]
-    ):
-        raise ValueError(
-            f"num_experts_per_tok={dims['num_experts_per_tok']} must be in "
-            f"1..num_experts={dims['num_experts']}"
-        )
-    return dims
-
-
-def _mrope_section(dims: Dict[str, Any]) -> List[int]:
-    # Split the rotary frequencies (rotary_dim / 2) over (t, h, w) as Qwen does:
-    # 64 rotary dims -> 32 frequencies -> [11, 11, 10].
-    n = int(dims["head_dim"] * dims["partial_rotary_factor"]) // 2
-    base, rem = divmod(n, 3)
-    return [base + (1 if i < rem else 0) for i in range(3)]
-
-
-def _layer_types(dims: Dict[str, Any]) -> List[str]:
-    k = dims["full_attention_interval"]
-    return [
-        "full_attention" if (i + 1) % k == 0 else "linear_attention"
-        for i in range(dims["num_hidden_layers"])
-    ]
-
-
-def tiny_config(family: str, *, dtype: str = "float32", **overrides) -> Dict[str, Any]:
-    """The ``config.json`` dict that :func:`write_tiny_checkpoint` writes."""
-    dims = _resolve_dims(family, overrides)
-    common = {
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "full_attention_interval": dims["full_attention_interval"],
-        "head_dim": dims["head_dim"],
-        "hidden_act": "silu",
-        "hidden_size": dims["hidden_size"],
-        "initializer_range": 0.02,
-        "linear_conv_kernel_dim": dims["linear_conv_kernel_dim"],
-        "linear_key_head_dim": dims["linear_key_head_dim"],
-        "linear_num_key_heads": dims["linear_num_key_heads"],
-        "linear_num_value_heads": dims["linear_num_value_heads"],
-        "linear_value_head_dim": dims["linear_value_head_dim"],
-        "max_position_embeddings": dims["max_position_embeddings"],
-        "num_attention_heads": dims["num_attention_heads"],
-        "num_hidden_layers": dims["num_hidden_layers"],
-        "num_key_value_heads": dims["num_key_value_heads"],
-        "rms_norm_eps": dims["rms_norm_eps"],
-        "use_cache": True,
-        "vocab_size": dims["vocab_size"],
-    }
-    moe = {}
-    if "num_experts" in dims:
-        moe = {
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "moe_intermediate_size": dims["moe_intermediate_size"],
-            "norm_topk_prob": dims["norm_topk_prob"],
-            "num_experts": dims["num_experts"],
-            "num_experts_per_tok": dims["num_experts_per_tok"],
-            "output_router_logits": False,
-            "router_aux_loss_coef": 0.001,
-            "shared_expert_intermediate_size": dims["shared_expert_intermediate_size"],
-        }
-    tied = bool(dims["tie_word_embeddings"])
-
-    if family == "qwen3_next":
-        # Qwen3-Next has no MTP key in its config; the checkpoint just holds mtp.*.
-        cfg = {
-            "architectures": ["Qwen3NextForCausalLM"],
-            **common,
-            **moe,
-            "intermediate_size": dims["intermediate_size"],
-            "bos_token_id": EOS_TOKEN_ID,
-            "eos_token_id": EOS_TOKEN_ID,
-            "model_type": "qwen3_next",
-            "partial_rotary_factor": dims["partial_rotary_factor"],
-            "rope_scaling": None,
-            "rope_theta": dims["rope_theta"],
-            "tie_word_embeddings": tied,
-            "torch_dtype": dtype,
-            "use_sliding_window": False,
-        }
-        return dict(sorted(cfg.items()))
-
-    text = {
-        **common,
-        **moe,
-        "attn_output_gate": True,
-        "bos_token_id": EOS_TOKEN_ID,
-        "dtype": dtype,
-        "eos_token_id": EOS_TOKEN_ID,
-        "layer_types": _layer_types(dims),
-        "model_type": f"{family}_text",
-        "mtp_num_hidden_layers": dims["mtp_num_hidden_layers"],
-        "mtp_use_dedicated_embeddings": False,
-        "rope_parameters": {
-            "mrope_interleaved": True,
-            "mrope_section": _mrope_section(dims),
-            "partial_rotary_factor": dims["partial_rotary_factor"],
-            "rope_theta": dims["rope_theta"],
-            "rope_type": "default",
-        },
-        "tie_word_embeddings": tied,
-    }
-    if family == "qwen3_5":
-        text["intermediate_size"] = dims["intermediate_size"]
-        arch = "Qwen3_5ForConditionalGeneration"
-    else:
-        arch = "Qwen3_5MoeForConditionalGeneration"
-    return {
-        "architectures": [arch],
-        "eos_token_id": EOS_TOKEN_ID,
-        "model_type": family,
-        "text_config": dict(sorted(text.items())),
-        "tie_word_embeddings": tied,
-        "transformers_version": "4.57.0.dev0",
-    }
-
 
 # --------------------------------------------------------------------------- tensors
 
@@ -386,7 +189,7 @@ def _specs(family: str, d: Dict[str, Any]) -> List[_Spec]:
 
 def tensor_shapes(family: str, **overrides) -> Dict[str, Tuple[int, ...]]:
     """Name -> shape of every tensor in the ``model.safetensors`` of a family."""
-    d = _resolve_dims(family, overrides)
+    d = resolve_dims(family, overrides)
     return {name: shape for name, shape, _ in _specs(family, d)}
 
 
@@ -467,12 +270,12 @@ def write_tiny_checkpoint(
     ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``
     (overwriting those four files) and returns the directory as a ``Path``.
     """
-    _check_family(family)
+    check_family(family)
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    dims = _resolve_dims(family, overrides)
+    dims = resolve_dims(family, overrides)
     config = tiny_config(family, dtype=dtype, **overrides)
 
     out = pathlib.Path(path)

@@ -5,9 +5,15 @@ import time
 import pytest
 
 import mlx_spec
-import mlx_spec.adaptive as adaptive
-from conftest import OracleDrafter, prompts, reference_tokens, spec_tokens
-from mlx_spec.adaptive import DraftLengthPolicy, verify_cost_profile
+import mlx_spec.core.policy as policy
+from mlx_spec.core.policy import DraftLengthPolicy, verify_cost_profile
+from mlx_spec.drafters.base import MAX_AUTO_DRAFT_TOKENS
+from mlx_spec.testing.reference import (
+    OracleDrafter,
+    prompts,
+    reference_tokens,
+    spec_tokens,
+)
 
 
 def test_never_accepted_drafts_switch_speculation_off():
@@ -47,8 +53,8 @@ def gpu_like_costs(monkeypatch):
     busy this machine is while the profile is measured."""
 
     def pin(model):
-        costs = [1e-3 * (1 + 0.05 * t) for t in range(adaptive.MAX_AUTO_DRAFT + 1)]
-        monkeypatch.setitem(adaptive._profiles, id(model), costs)
+        costs = [1e-3 * (1 + 0.05 * t) for t in range(MAX_AUTO_DRAFT_TOKENS + 1)]
+        monkeypatch.setitem(policy._profiles, id(model), costs)
 
     return pin
 
@@ -94,16 +100,16 @@ def test_verify_cost_profile_is_cached_and_positive(models):
 @pytest.fixture
 def fresh_profiles(monkeypatch, tmp_path):
     """An empty profile cache on disk and in the process; counts measurements."""
-    monkeypatch.setenv(adaptive.CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(adaptive, "_profiles", {})
+    monkeypatch.setenv(policy.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(policy, "_profiles", {})
     measured = []
-    real = adaptive.measure_verify_costs
+    real = policy.measure_verify_costs
 
     def measure(model, max_tokens, repeats=3):
         measured.append(max_tokens)
         return real(model, max_tokens, repeats=1)
 
-    monkeypatch.setattr(adaptive, "measure_verify_costs", measure)
+    monkeypatch.setattr(policy, "measure_verify_costs", measure)
     return measured
 
 
@@ -112,13 +118,13 @@ def test_profile_is_kept_on_disk_per_machine_mlx_and_model(
 ):
     model, other = models["qwen3_5"][0], models["qwen3_next"][0]
     costs = verify_cost_profile(model, 3)
-    assert adaptive.profile_cache_file().exists() and fresh_profiles == [3]
-    monkeypatch.setattr(adaptive, "_profiles", {})  # a new process
+    assert policy.profile_cache_file().exists() and fresh_profiles == [3]
+    monkeypatch.setattr(policy, "_profiles", {})  # a new process
     assert verify_cost_profile(model, 3) == costs and fresh_profiles == [3]
     verify_cost_profile(other, 3)  # another model: measured
     assert fresh_profiles == [3, 3]
-    monkeypatch.setattr(adaptive, "_profiles", {})
-    monkeypatch.setattr(adaptive.mx, "__version__", "0.0.0-other")
+    monkeypatch.setattr(policy, "_profiles", {})
+    monkeypatch.setattr(policy.mx, "__version__", "0.0.0-other")
     verify_cost_profile(model, 3)  # another MLX version: measured again
     assert fresh_profiles == [3, 3, 3]
 
@@ -128,9 +134,9 @@ def test_broken_profile_cache_is_measured_again(
     models, fresh_profiles, monkeypatch, content
 ):
     model, _ = models["qwen3_5"]
-    adaptive.profile_cache_file().write_text(content)
+    policy.profile_cache_file().write_text(content)
     assert len(verify_cost_profile(model, 2)) == 2 and fresh_profiles == [2]
-    monkeypatch.setattr(adaptive, "_profiles", {})
+    monkeypatch.setattr(policy, "_profiles", {})
     verify_cost_profile(model, 2)  # the rewritten file is good
     assert fresh_profiles == [2]
 
@@ -140,7 +146,7 @@ def test_unwritable_profile_cache_only_costs_a_measurement(
 ):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv(adaptive.CACHE_DIR_ENV, str(blocker / "sub"))
+    monkeypatch.setenv(policy.CACHE_DIR_ENV, str(blocker / "sub"))
     model, _ = models["qwen3_5"]
     assert len(verify_cost_profile(model, 2)) == 2 and fresh_profiles == [2]
 
@@ -151,13 +157,13 @@ def test_profile_time_is_not_prompt_time(models, fresh_profiles, monkeypatch):
     model, tok = models["qwen3_5"]
     real_clock, skew = time.perf_counter, [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + skew[0])
-    measure = adaptive.measure_verify_costs
+    measure = policy.measure_verify_costs
 
     def slow(*args, **kwargs):
         skew[0] += 1000.0
         return measure(*args, **kwargs)
 
-    monkeypatch.setattr(adaptive, "measure_verify_costs", slow)
+    monkeypatch.setattr(policy, "measure_verify_costs", slow)
     stats = mlx_spec.SpecStats()
     prompt = prompts("mixed")
     for r in mlx_spec.stream_generate(model, tok, prompt, 4, stats=stats):

@@ -1,0 +1,11 @@
+"""Test support: tiny checkpoints of every supported family, built by code.
+
+Public so that other projects (and this one's tests and scripts) can build
+models without a model hub. No runtime module of mlx_spec imports it.
+
+- ``checkpoints.py``: :func:`write_tiny_checkpoint`, raw Hugging Face layout
+  with ``mtp.*`` tensors, deterministic from a seed;
+- ``tokenizer.py``: the tiny byte-level BPE tokenizer they ship;
+- ``mtp_heads.py``: checkpoints whose MTP head predicts well;
+- ``reference.py``: prompts, mlx-lm reference decoding, an oracle drafter.
+"""

@@ -1,0 +1,119 @@
+"""The package's import structure: one way in from mlx-lm, no import circle,
+test support that the runtime never imports."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# folder -> the package it installs as (metal_kernels/ is mlx_spec.kernels)
+PACKAGES = {"mlx_spec": "mlx_spec", "metal_kernels": "mlx_spec.kernels"}
+
+
+def _modules():
+    """module name -> (path, is_package) for every module of the package."""
+    out = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            out[".".join([package] + parts)] = (path, is_package)
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name):
+    """Absolute names of everything module ``name`` imports (at any depth of
+    its code, module level or inside functions)."""
+    path, is_package = MODULES[name]
+    package = name if is_package else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)
+
+
+def _internal_edges():
+    """module -> the package modules it imports (names that are not modules,
+    e.g. a function imported from a module, resolve to that module)."""
+    edges = {}
+    for name in MODULES:
+        targets = set()
+        for imported in _imports(name):
+            while imported and imported not in MODULES:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and imported != "mlx_spec":
+                targets.add(imported)
+        edges[name] = targets
+    return edges
+
+
+def test_every_folder_is_found():
+    assert "mlx_spec.kernels.switch" in MODULES
+    assert "mlx_spec.core.decode" in MODULES and "mlx_spec.testing" in MODULES
+
+
+def test_no_import_circle():
+    edges = _internal_edges()
+    state, cycles = {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_runtime_never_imports_test_support():
+    edges = _internal_edges()
+    runtime = [m for m in MODULES if not m.startswith("mlx_spec.testing")]
+    offenders = {
+        m: sorted(t for t in edges[m] if t.startswith("mlx_spec.testing"))
+        for m in runtime
+    }
+    assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_kernels_depend_only_on_the_mlx_lm_module():
+    edges = _internal_edges()
+    for name in MODULES:
+        if name.startswith("mlx_spec.kernels"):
+            outside = {t for t in edges[name] if not t.startswith("mlx_spec.kernels")}
+            assert outside <= {"mlx_spec.mlx_lm_compat"}, (name, outside)
+
+
+def test_only_the_compat_module_imports_mlx_lm():
+    offenders = [
+        name
+        for name in MODULES
+        if name != "mlx_spec.mlx_lm_compat"
+        and any(i == "mlx_lm" or i.startswith("mlx_lm.") for i in _imports(name))
+    ]
+    assert offenders == []
+
+
+def test_no_module_over_400_lines():
+    long = {
+        name: n
+        for name, (path, _) in MODULES.items()
+        if (n := len(path.read_text().splitlines())) > 400
+    }
+    assert long == {}
