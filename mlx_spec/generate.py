@@ -7,8 +7,8 @@ from typing import List, Optional, Union
 
 import mlx.core as mx
 
-from .core.decode import speculative_generate_step
-from .core.policy import verify_cost_profile
+from .core.decode import SpeculativeDecoder, speculative_generate_step
+from .core.policy import most_drafts, verify_cost_profile
 from .core.state import ROLLBACK_STRATEGIES
 from .core.stats import SpecStats
 from .drafters import DRAFTS, default_draft, make_drafter
@@ -112,6 +112,7 @@ def stream_generate(
     max_ngram: int = 3,
     stats: Optional[SpecStats] = None,
     timing: bool = False,
+    decoder: Optional[SpeculativeDecoder] = None,
     **kwargs,
 ):
     """Like ``mlx_lm.stream_generate``, drafting with ``draft`` and verifying.
@@ -125,7 +126,19 @@ def stream_generate(
     ``from_draft`` is True for tokens that were drafted and accepted. Extra
     keyword arguments are those of ``mlx_lm.generate_step``. ``draft="none"``
     (or ``num_draft_tokens=0``) is plain mlx-lm decoding.
+
+    ``decoder``: a :class:`SpeculativeDecoder` to continue (its caches,
+    drafter, history and statistics; ``draft`` and ``prompt_cache`` are then
+    unused): ``prompt`` holds only the new tokens, and at the end the caches
+    hold every token, as a reused mlx-lm prompt cache does.
     """
+    if decoder is not None:
+        draft, stats = decoder.drafter, decoder.stats
+        if most_drafts(num_draft_tokens) > decoder.max_draft:
+            raise ValueError(
+                f"num_draft_tokens={num_draft_tokens!r} exceeds the decoder's "
+                f"max_draft ({decoder.max_draft})"
+            )
     draft = default_draft(model) if draft is None else draft
     check_options(max_tokens, draft, num_draft_tokens, kwargs.get("rollback", "store"))
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -137,7 +150,9 @@ def stream_generate(
         )
     prompt = _encode(model, tokenizer, prompt)
     stats = SpecStats() if stats is None else stats
-    if num_draft_tokens == 0:
+    if decoder is not None:
+        drafter = decoder.drafter
+    elif num_draft_tokens == 0:
         drafter = None
     elif isinstance(draft, str):
         drafter = make_drafter(draft, model, max_ngram=max_ngram)
@@ -148,7 +163,7 @@ def stream_generate(
     rollback = kwargs.pop("rollback", "store")
     kwargs["max_tokens"] = max_tokens
 
-    if drafter is None or num_draft_tokens == 0:
+    if decoder is None and (drafter is None or num_draft_tokens == 0):
         tokens = generate_step(prompt, model, stream, **kwargs)
         tokens = ((t, lp, False) for t, lp in tokens)
     else:
@@ -177,8 +192,9 @@ def stream_generate(
                 timing=timing,
                 stop_tokens=tokenizer.eos_token_ids,
                 rollback=rollback,
+                decoder=decoder,
                 # mlx-lm leaves a caller's cache holding every token it yielded
-                flush=kwargs.get("prompt_cache") is not None,
+                flush=decoder is not None or kwargs.get("prompt_cache") is not None,
                 **kwargs,
             ),
         )

@@ -16,8 +16,10 @@ from mlx_lm.chat import setup_arg_parser as chat_arg_parser
 from mlx_lm.generate import (
     DEFAULT_QUANTIZED_KV_START,
     GenerationResponse,
+    TextStateMachine,
     generate_step,
     generation_stream,
+    make_text_state_machine,
     maybe_quantize_kv_cache,
 )
 from mlx_lm.generate import setup_arg_parser as generate_arg_parser
@@ -101,6 +103,18 @@ __all__ = [
     "qwen3_next",
     "save_prompt_cache",
     "generate_arg_parser",
+    "TextStateMachine",
+    "make_text_state_machine",
+    "server_message_helpers",
     "chat_arg_parser",
     "wired_limit",
 ]
+
+
+def server_message_helpers():
+    """``(convert_chat, process_message_content)`` of ``mlx_lm.server``: the
+    prompt of a tokenizer without a chat template, and message content made
+    ready for one. Imported on first use (that module is slow to import)."""
+    from mlx_lm import server
+
+    return server.convert_chat, server.process_message_content

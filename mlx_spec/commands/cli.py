@@ -10,6 +10,7 @@ COMMANDS = {
     "chat": "mlx_spec.commands.chat",
     "bench": "mlx_spec.commands.bench",
     "bench-kernels": "mlx_spec.commands.bench_kernels",
+    "server": "mlx_spec.commands.server",
 }
 
 

@@ -27,11 +27,9 @@ def draft_length(value: str):
     return value if value == "auto" else int(value)
 
 
-def add_speculation_flags(parser: argparse.ArgumentParser, prog: str, about: str):
-    """Turn one of mlx-lm's parsers into ``prog``'s: the demo model as the
-    default model, and the drafting flags (``--num-draft-tokens`` replaces
-    mlx-lm's where it has one)."""
-    parser.prog, parser.description = prog, about
+def add_draft_options(parser: argparse.ArgumentParser):
+    """The drafting flags: ``--draft``, ``--num-draft-tokens`` (replacing one
+    the parser has), ``--mtp-path``, ``--max-ngram``, ``--rollback``."""
     parser.add_argument(
         "--draft",
         choices=DRAFTS,
@@ -59,17 +57,25 @@ def add_speculation_flags(parser: argparse.ArgumentParser, prog: str, about: str
         help="How Gated-DeltaNet layers are rolled back after a verify pass.",
     )
     actions = {a.dest: a for a in parser._actions}
-    if "num_draft_tokens" not in actions:
-        actions["num_draft_tokens"] = parser.add_argument("--num-draft-tokens")
-    drafts = actions["num_draft_tokens"]
+    drafts = actions.get("num_draft_tokens") or parser.add_argument(
+        "--num-draft-tokens"
+    )
     drafts.type, drafts.default = draft_length, "auto"
     drafts.help = (
         f"Tokens drafted per verify pass (0..{MAX_DRAFT_TOKENS}), or 'auto' "
         "(default): chosen each pass from the measured verify cost and the "
         "acceptance so far, 0 while speculation does not pay."
     )
-    actions["model"].default = None
-    actions["model"].help = "Model directory (default: the bundled demo model)."
+
+
+def add_speculation_flags(parser: argparse.ArgumentParser, prog: str, about: str):
+    """Turn one of mlx-lm's parsers into ``prog``'s: the demo model as the
+    default model, and the drafting flags."""
+    parser.prog, parser.description = prog, about
+    add_draft_options(parser)
+    model = next(a for a in parser._actions if a.dest == "model")
+    model.default = None
+    model.help = "Model directory (default: the bundled demo model)."
     return parser
 
 

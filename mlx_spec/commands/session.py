@@ -17,16 +17,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..core.snapshot import DecoderState, capture, drafter_name, restore
 from ..core.state import GDNSlotCache
 from ..mlx_lm_compat import ArraysCache, load_prompt_cache, save_prompt_cache
 from ..models.fingerprint import model_fingerprint
 from .common import one_line
 
 FORMAT = "mlx_spec.session.v1"
-
-
-def _drafter_name(drafter) -> str:
-    return "none" if drafter is None else drafter.name
 
 
 def _plain(cache):
@@ -65,20 +62,18 @@ def check_writable(path):
 def save_session(path, decoder, model_name: str = ""):
     """Write ``decoder``'s whole state to exactly ``path`` (safetensors, whatever
     its suffix), atomically: a file beside it, renamed onto it when complete."""
-    decoder.flush()
-    drafter = decoder.drafter
-    arrays = [] if drafter is None else list(drafter.state)
+    state = capture(decoder)
     session = ArraysCache(2)
-    session.cache = [mx.array(decoder.history, mx.uint32), decoder.last_hidden]
-    extra = ArraysCache(max(len(arrays), 1))
-    extra.cache = arrays or [None]
-    caches = [_plain(c) for c in decoder.cache.caches] + [session, extra]
+    session.cache = [mx.array(state.history, mx.uint32), state.last_hidden]
+    extra = ArraysCache(max(len(state.drafter_arrays), 1))
+    extra.cache = state.drafter_arrays or [None]
+    caches = [_plain(c) for c in state.caches] + [session, extra]
     meta = {
         "format": FORMAT,
         "model": model_fingerprint(decoder.model),
         "model_name": str(model_name),
-        "drafter": _drafter_name(drafter),
-        "n_target": str(len(decoder.cache.caches)),
+        "drafter": state.drafter,
+        "n_target": str(len(state.caches)),
     }
     path = Path(path)
     tmp = _temp_file_beside(path)
@@ -133,27 +128,18 @@ def load_session(path, decoder, model_name: str = ""):
             f"{str(path)!r} was saved for another model "
             f"({meta.get('model_name') or meta['model']}), not {model_name or 'this one'}"
         )
-    drafter = decoder.drafter
-    name = _drafter_name(drafter)
+    name = drafter_name(decoder.drafter)
     if meta["drafter"] != name:
         raise ValueError(
             f"{str(path)!r} was saved with draft {meta['drafter']!r}, not {name!r}"
         )
     n = int(meta["n_target"])
-    history, last_hidden = caches[n].cache
-    target = decoder.cache.caches
-    if n != len(target):
+    if n != len(decoder.cache.caches):
         raise ValueError(
-            f"{str(path)!r} holds {n} layer caches, the model has {len(target)}"
+            f"{str(path)!r} holds {n} layer caches, the model has "
+            f"{len(decoder.cache.caches)}"
         )
-    for i, c in enumerate(caches[:n]):
-        if isinstance(target[i], GDNSlotCache):
-            target[i].cache = list(c.cache)  # in place: the slot pool stays
-        else:
-            target[i] = c
-    decoder.history = history.tolist()
-    decoder.processed = len(decoder.history)
-    decoder.last_hidden = last_hidden
-    if drafter is not None:
-        arrays = [a for a in caches[n + 1].cache if a is not None]
-        drafter.restore(decoder.history, arrays)
+    history, last_hidden = caches[n].cache
+    arrays = [a for a in caches[n + 1].cache if a is not None]
+    state = DecoderState(history.tolist(), last_hidden, caches[:n], name, arrays)
+    restore(decoder, state)

@@ -1,0 +1,90 @@
+"""A decoder's whole state as values: saved with a chat session, or kept in
+memory by the server to continue a conversation without prefilling it again.
+
+The pending token is processed first, so the target caches hold every token
+of the history (what plain decoding's prompt cache would hold); the drafter
+contributes its own arrays (``Drafter.state``) and rebuilds from them with
+``Drafter.restore``.
+"""
+
+import copy
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import mlx.core as mx
+
+from .state import GDNSlotCache
+
+
+@dataclass
+class DecoderState:
+    history: List[int]
+    last_hidden: Optional[mx.array]  # [1, H]: the target's hidden of history[-1]
+    caches: List[Any]  # the target's per-layer caches
+    drafter: str  # the drafter's name ("none" without one)
+    drafter_arrays: List[mx.array]
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [a for c in self.caches for a in _arrays(c.state)]
+        arrays += [a for a in self.drafter_arrays if a is not None]
+        if self.last_hidden is not None:
+            arrays.append(self.last_hidden)
+        return sum(a.nbytes for a in arrays)
+
+
+def _arrays(tree):
+    if isinstance(tree, mx.array):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            yield from _arrays(item)
+
+
+def drafter_name(drafter) -> str:
+    return "none" if drafter is None else drafter.name
+
+
+def capture(decoder, copy_caches: bool = False) -> DecoderState:
+    """The state of ``decoder`` after processing its pending token.
+
+    ``copy_caches``: the state must survive the decoder going on (the
+    attention caches are written in place as decoding continues)."""
+    decoder.flush()
+    drafter = decoder.drafter
+    arrays = [] if drafter is None else list(drafter.state)
+    caches = list(decoder.cache.caches)
+    mx.eval([c.state for c in caches], arrays)
+    if copy_caches:
+        caches = [copy.deepcopy(c) for c in caches]
+    return DecoderState(
+        list(decoder.history),
+        decoder.last_hidden,
+        caches,
+        drafter_name(drafter),
+        arrays,
+    )
+
+
+def restore(decoder, state: DecoderState, copy_caches: bool = False):
+    """Put ``state`` into ``decoder``, a fresh decoder of the same model and
+    drafter kind; ``ValueError`` when they do not fit. ``copy_caches``: keep
+    ``state`` usable afterwards."""
+    name = drafter_name(decoder.drafter)
+    if state.drafter != name:
+        raise ValueError(f"state saved with draft {state.drafter!r}, not {name!r}")
+    target = decoder.cache.caches
+    if len(state.caches) != len(target):
+        raise ValueError(
+            f"state holds {len(state.caches)} layer caches, the model has {len(target)}"
+        )
+    for i, c in enumerate(state.caches):
+        if isinstance(target[i], GDNSlotCache):
+            target[i].cache = list(c.cache)  # arrays are replaced, never written
+        else:
+            target[i] = copy.deepcopy(c) if copy_caches else c
+    decoder.history = list(state.history)
+    decoder.processed = len(decoder.history)
+    decoder.last_hidden = state.last_hidden
+    if decoder.drafter is not None:
+        decoder.drafter.restore(decoder.history, state.drafter_arrays)

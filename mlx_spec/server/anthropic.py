@@ -1,0 +1,262 @@
+"""Anthropic's Messages API (``POST /v1/messages``): the request turned into
+the same conversation the chat template sees, the response as a message or as
+its stream of events.
+
+Content blocks: ``text`` (and ``thinking``, sent back as reasoning), tool use
+(``tool_use`` in an assistant turn, ``tool_result`` in a user turn) mapped to
+the OpenAI-style messages chat templates expect; images are refused.
+"""
+
+import json
+import uuid
+from typing import Any, Dict, List, Optional
+
+from .engine import Finished, Segment, Started, Token, ToolCall
+from .requests import (
+    RequestError,
+    ServerContext,
+    chat_prompt,
+    check_model,
+    field,
+    generation_params,
+)
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def error_body(message: str, status: int) -> dict:
+    kind = {404: "not_found_error", 413: "request_too_large"}.get(
+        status, "invalid_request_error" if status < 500 else "api_error"
+    )
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _text_of(blocks, where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise RequestError(f"{where} must be a string or a list of blocks")
+    parts = []
+    for b in blocks:
+        if not isinstance(b, dict) or b.get("type") != "text":
+            raise RequestError(f"{where}: only text blocks are supported here")
+        parts.append(_string(b.get("text"), f"{where} text"))
+    return "".join(parts)
+
+
+def _string(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def _message(i: int, m) -> List[Dict[str, Any]]:
+    """One Anthropic message as OpenAI-style messages (tool results become
+    ``tool`` messages)."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        raise RequestError(f"{where} must have role 'user' or 'assistant'")
+    content = m.get("content")
+    if isinstance(content, str):
+        return [{"role": m["role"], "content": content}]
+    if not isinstance(content, list):
+        raise RequestError(f"{where}.content must be a string or a list of blocks")
+    text, thinking, calls, results = [], [], [], []
+    for j, b in enumerate(content):
+        kind = b.get("type") if isinstance(b, dict) else None
+        at = f"{where}.content[{j}]"
+        if kind == "text":
+            text.append(_string(b.get("text"), f"{at}.text"))
+        elif kind == "thinking":
+            thinking.append(_string(b.get("thinking"), f"{at}.thinking"))
+        elif kind == "tool_use" and m["role"] == "assistant":
+            if not isinstance(b.get("input", {}), dict):
+                raise RequestError(f"{at}.input must be an object")
+            calls.append(
+                {
+                    "id": str(b.get("id", "")),
+                    "type": "function",
+                    "function": {
+                        "name": _string(b.get("name"), f"{at}.name"),
+                        "arguments": b.get("input", {}),
+                    },
+                }
+            )
+        elif kind == "tool_result" and m["role"] == "user":
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": str(b.get("tool_use_id", "")),
+                    "content": _text_of(b.get("content", ""), f"{at}.content"),
+                }
+            )
+        else:
+            raise RequestError(f"{at}: block type {kind!r} is not supported here")
+    out = list(results)
+    if text or thinking or calls:
+        msg: Dict[str, Any] = {"role": m["role"], "content": "".join(text)}
+        if thinking:
+            msg["reasoning_content"] = "".join(thinking)
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def _tools(tools) -> Optional[List[dict]]:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("'tools' must be a list")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise RequestError(f"tools[{i}] must be an object with a string 'name'")
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t.get("input_schema", {}),
+                },
+            }
+        )
+    return out
+
+
+def messages_request(body, ctx: ServerContext):
+    """``(prompt, initial state, params)`` of a ``/v1/messages`` body."""
+    check_model(body, ctx)
+    if "max_tokens" not in body:
+        raise RequestError("'max_tokens' is required")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("'messages' must be a non-empty list")
+    messages = []
+    system = body.get("system")
+    if system is not None:
+        messages.append({"role": "system", "content": _text_of(system, "system")})
+    for i, m in enumerate(raw):
+        messages += _message(i, m)
+    field(body, "stop_sequences", "list")
+    params = generation_params(body, ctx)
+    tools = _tools(body.get("tools"))
+    params.tools = tools
+    prompt, state = chat_prompt(messages, tools, ctx)
+    return prompt, state, params
+
+
+class MessageResponse:
+    """Turns engine events into an Anthropic message (or its events)."""
+
+    def __init__(self, model_id: str):
+        self.id = "msg_" + uuid.uuid4().hex
+        self.model_id = model_id
+        self.blocks: List[Dict[str, Any]] = []
+        self.started: Optional[Started] = None
+        self.finished: Optional[Finished] = None
+        self.stop_sequence: Optional[str] = None
+
+    def _message(self, content, stop_reason=None, output_tokens=0) -> dict:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model_id,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": self.started.prompt_tokens if self.started else 0,
+                "cache_read_input_tokens": (
+                    self.started.cached_tokens if self.started else 0
+                ),
+                "output_tokens": output_tokens,
+            },
+        }
+
+    def add(self, event) -> List[tuple]:
+        """Record ``event``; returns the stream events ``(name, data)`` it makes."""
+        if isinstance(event, Started):
+            self.started = event
+            return [
+                (
+                    "message_start",
+                    {"type": "message_start", "message": self._message([])},
+                )
+            ]
+        if isinstance(event, Token):
+            return []
+        if isinstance(event, Segment):
+            kind = "thinking" if event.kind == "reasoning" else "text"
+            events = []
+            if not self.blocks or self.blocks[-1]["type"] != kind:
+                events += self._close() + self._open({"type": kind, kind: ""})
+            self.blocks[-1][kind] += event.text
+            delta = {"type": f"{kind}_delta", kind: event.text}
+            index = len(self.blocks) - 1
+            block_delta = {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": delta,
+            }
+            return events + [("content_block_delta", block_delta)]
+        if isinstance(event, ToolCall):
+            block = {
+                "type": "tool_use",
+                "id": "toolu_" + uuid.uuid4().hex[:24],
+                "name": event.name,
+                "input": event.arguments,
+            }
+            events = self._close() + self._open({**block, "input": {}})
+            self.blocks[-1]["input"] = event.arguments
+            delta = {
+                "type": "input_json_delta",
+                "partial_json": json.dumps(event.arguments),
+            }
+            index = len(self.blocks) - 1
+            block_delta = {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": delta,
+            }
+            return events + [("content_block_delta", block_delta)]
+        if isinstance(event, Finished):
+            self.finished = event
+            delta = {
+                "type": "message_delta",
+                "delta": {"stop_reason": self.stop_reason(), "stop_sequence": None},
+                "usage": {"output_tokens": event.completion_tokens},
+                "speculation": event.speculation,
+            }
+            return self._close() + [
+                ("message_delta", delta),
+                ("message_stop", {"type": "message_stop"}),
+            ]
+        raise TypeError(f"unexpected event {event!r}")
+
+    def _open(self, block) -> List[tuple]:
+        self.blocks.append(dict(block))
+        start = {"type": "content_block_start", "index": len(self.blocks) - 1}
+        return [("content_block_start", {**start, "content_block": block})]
+
+    def _close(self) -> List[tuple]:
+        if not self.blocks or self.blocks[-1].get("_closed"):
+            return []
+        self.blocks[-1]["_closed"] = True
+        index = len(self.blocks) - 1
+        return [("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+    def stop_reason(self) -> str:
+        return STOP_REASONS.get(self.finished.reason, "end_turn")
+
+    def body(self) -> dict:
+        content = [{k: v for k, v in b.items() if k != "_closed"} for b in self.blocks]
+        out = self._message(
+            content or [{"type": "text", "text": ""}],
+            self.stop_reason(),
+            self.finished.completion_tokens,
+        )
+        out["speculation"] = self.finished.speculation
+        return out

@@ -1,0 +1,171 @@
+"""OpenAI's response shapes for ``/v1/chat/completions`` and ``/v1/completions``:
+one JSON object, or server-sent ``data:`` chunks ending with ``[DONE]``.
+
+Responses carry the request's speculation counters in an extension field,
+``speculation`` (drafter, tokens drafted and accepted, verify passes).
+"""
+
+import json
+import time
+import uuid
+from typing import Any, Dict, List, Optional
+
+from .engine import Finished, GenerationParams, Segment, Started, Token, ToolCall
+
+
+def error_body(message: str, status: int, param: Optional[str] = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 404:
+        kind = "not_found_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+class OpenAIResponse:
+    """Turns engine events into a response of one request."""
+
+    def __init__(self, chat: bool, model_id: str, params: GenerationParams, tokenizer):
+        self.chat, self.model_id, self.params = chat, model_id, params
+        self.tokenizer = tokenizer
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.content, self.reasoning = "", ""
+        self.tool_calls: List[dict] = []
+        self.tokens: List[Token] = []
+        self.usage: Dict[str, Any] = {}
+        self.started: Optional[Started] = None
+        self.finished: Optional[Finished] = None
+
+    # -- accumulate ----------------------------------------------------------
+    def add(self, event) -> Optional[dict]:
+        """Record ``event``; returns the streaming delta it makes, if any."""
+        if isinstance(event, Started):
+            self.started = event
+            return {"role": "assistant", "content": ""} if self.chat else None
+        if isinstance(event, Token):
+            self.tokens.append(event)
+            return None
+        if isinstance(event, Segment):
+            if event.kind == "reasoning":
+                self.reasoning += event.text
+                return {"reasoning": event.text} if self.chat else None
+            self.content += event.text
+            return {"content": event.text}
+        if isinstance(event, ToolCall):
+            call = {
+                "index": len(self.tool_calls),
+                "id": "call_" + uuid.uuid4().hex[:24],
+                "type": "function",
+                "function": {
+                    "name": event.name,
+                    "arguments": json.dumps(event.arguments, ensure_ascii=False),
+                },
+            }
+            self.tool_calls.append(call)
+            return {"tool_calls": [call]} if self.chat else None
+        if isinstance(event, Finished):
+            self.finished = event
+            return None
+        raise TypeError(f"unexpected event {event!r}")
+
+    # -- shapes --------------------------------------------------------------
+    def _usage(self) -> dict:
+        prompt = self.started.prompt_tokens if self.started else 0
+        completion = self.finished.completion_tokens if self.finished else 0
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {
+                "cached_tokens": self.started.cached_tokens if self.started else 0
+            },
+        }
+
+    def _logprobs(self, tokens: List[Token]):
+        if not self.params.logprobs:
+            return None
+        decode = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        if self.chat:
+
+            def entry(token, logprob):
+                text = decode(token)
+                return {
+                    "token": text,
+                    "logprob": logprob,
+                    "bytes": list(text.encode("utf-8")),
+                }
+
+            return {
+                "content": [
+                    {
+                        **entry(t.token, t.logprob),
+                        "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs],
+                    }
+                    for t in tokens
+                ]
+            }
+        return {
+            "tokens": [decode(t.token) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [
+                {decode(i): lp for i, lp in t.top_logprobs} or None for t in tokens
+            ],
+        }
+
+    def _head(self) -> dict:
+        return {"id": self.id, "created": self.created, "model": self.model_id}
+
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _finish_reason(self) -> str:
+        return self.finished.reason if self.finished else "stop"
+
+    def body(self) -> dict:
+        """The whole (non-streaming) response."""
+        choice: Dict[str, Any] = {"index": 0, "finish_reason": self._finish_reason()}
+        if self.chat:
+            message = {"role": "assistant", "content": self.content}
+            if self.reasoning:
+                message["reasoning"] = self.reasoning
+            if self.tool_calls:
+                message["tool_calls"] = [
+                    {k: v for k, v in c.items() if k != "index"}
+                    for c in self.tool_calls
+                ]
+            choice["message"] = message
+        else:
+            choice["text"] = self.content
+        choice["logprobs"] = self._logprobs(self.tokens)
+        return {
+            **self._head(),
+            "object": self.object,
+            "choices": [choice],
+            "usage": self._usage(),
+            "speculation": self.finished.speculation if self.finished else None,
+        }
+
+    def chunk(self, delta: Optional[dict], final: bool = False) -> dict:
+        """One streamed chunk: ``delta`` (chat) or its text (completions)."""
+        tokens, self.tokens = self.tokens, []
+        choice: Dict[str, Any] = {
+            "index": 0,
+            "finish_reason": self._finish_reason() if final else None,
+            "logprobs": self._logprobs(tokens),
+        }
+        if self.chat:
+            choice["delta"] = delta or {}
+        else:
+            choice["text"] = (delta or {}).get("content", "")
+        out = {**self._head(), "object": self._chunk_object(), "choices": [choice]}
+        if final:
+            out["speculation"] = self.finished.speculation if self.finished else None
+        return out
+
+    def usage_chunk(self) -> dict:
+        return {
+            **self._head(),
+            "object": self._chunk_object(),
+            "choices": [],
+            "usage": self._usage(),
+        }

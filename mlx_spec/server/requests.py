@@ -1,0 +1,204 @@
+"""Request bodies checked and turned into a prompt and :class:`GenerationParams`.
+
+Everything a client sends is checked here, before it reaches the model: a bad
+value is a :class:`RequestError` naming the field (HTTP 400), never an
+exception deeper down. Nothing in a request names a file or a model to load:
+``model`` must be the served model's id (or omitted).
+"""
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..drafters import DRAFTS
+from ..drafters.base import MAX_DRAFT_TOKENS
+from ..mlx_lm_compat import server_message_helpers
+from .engine import GenerationParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestError(Exception):
+    """Bad input: reported to the client with ``status`` and the message."""
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+@dataclass
+class ServerContext:
+    """What request parsing needs to know about the server."""
+
+    tokenizer: Any
+    model_id: str
+    defaults: Dict[str, Any]  # temperature, top_p, top_k, min_p, max_tokens
+    context_length: Optional[int] = None
+    chat_template_args: Optional[Dict[str, Any]] = None
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def field(body, name, kind, default=None, low=None, high=None):
+    """``body[name]`` checked: ``kind`` is "int", "number", "bool", "str",
+    "list" or "dict"; ``low``/``high`` bound numbers (inclusive)."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "number": _number(value),
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+        "list": isinstance(value, list),
+        "dict": isinstance(value, dict),
+    }[kind]
+    if not ok:
+        raise RequestError(
+            f"'{name}' must be of type {kind}, got {value!r}", param=name
+        )
+    if low is not None and value < low or high is not None and value > high:
+        bounds = f">= {low}" if high is None else f"in {low}..{high}"
+        raise RequestError(f"'{name}' must be {bounds}, got {value!r}", param=name)
+    return value
+
+
+def check_model(body, ctx: ServerContext):
+    model = field(body, "model", "str")
+    if model not in (None, ctx.model_id, "default_model"):
+        raise RequestError(
+            f"model {model!r} is not served here; this server serves {ctx.model_id!r}",
+            status=404,
+            param="model",
+        )
+
+
+def generation_params(body, ctx: ServerContext, max_tokens_field="max_tokens"):
+    """The sampling, stopping and drafting fields common to every endpoint."""
+    d = ctx.defaults
+    max_tokens = field(body, "max_completion_tokens", "int", None, low=1)
+    if max_tokens is None:
+        max_tokens = field(body, max_tokens_field, "int", d["max_tokens"], low=1)
+    stop = body.get("stop", body.get("stop_sequences"))
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (
+        isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
+    ):
+        raise RequestError("'stop' must be a string or a list of non-empty strings")
+    num_draft_tokens = body.get("num_draft_tokens")
+    if num_draft_tokens is not None and num_draft_tokens != "auto":
+        field(body, "num_draft_tokens", "int", low=0, high=MAX_DRAFT_TOKENS)
+    draft = field(body, "draft", "str")
+    if draft is not None and draft not in DRAFTS:
+        raise RequestError(
+            f"'draft' must be one of {', '.join(DRAFTS)}, got {draft!r}", param="draft"
+        )
+    return GenerationParams(
+        max_tokens=max_tokens,
+        temperature=field(body, "temperature", "number", d["temperature"], low=0),
+        top_p=field(body, "top_p", "number", d["top_p"], low=0, high=1),
+        top_k=field(body, "top_k", "int", d["top_k"], low=0),
+        min_p=field(body, "min_p", "number", d["min_p"], low=0, high=1),
+        seed=field(body, "seed", "int"),
+        stop=list(stop or []),
+        draft=draft,
+        num_draft_tokens=num_draft_tokens,
+    )
+
+
+def check_length(prompt: List[int], ctx: ServerContext):
+    if not prompt:
+        raise RequestError("the prompt is empty")
+    if ctx.context_length is not None and len(prompt) >= ctx.context_length:
+        raise RequestError(
+            f"the prompt has {len(prompt)} tokens; this model accepts at most "
+            f"{ctx.context_length - 1} (context length {ctx.context_length})",
+            param="messages",
+        )
+
+
+def chat_prompt(messages, tools, ctx: ServerContext, template_kwargs=None):
+    """``(prompt tokens, initial text state)`` of a conversation: the chat
+    template as mlx_lm.server applies it (with the tools), or, for a
+    tokenizer without one, mlx_lm.server's plain role-prefixed text."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(
+                f"messages[{i}] must be an object with a string 'role'",
+                param="messages",
+            )
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise RequestError(
+                f"messages[{i}].content must be a string or a list of parts",
+                param="messages",
+            )
+    if tools is not None and not isinstance(tools, list):
+        raise RequestError("'tools' must be a list", param="tools")
+    convert_chat, process_message_content = server_message_helpers()
+    messages = copy.deepcopy(messages)
+    tok = ctx.tokenizer
+    try:
+        process_message_content(messages)
+        if not tok.has_chat_template:
+            prompt = tok.encode(convert_chat(messages))
+        else:
+            args = dict(ctx.chat_template_args or {}, **(template_kwargs or {}))
+            prompt = tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, **args
+            )
+    except (ValueError, TypeError, KeyError) as e:
+        raise RequestError(f"cannot build the prompt: {e}", param="messages") from None
+    except Exception as e:  # a chat template's own error (jinja)
+        raise RequestError(f"the chat template failed: {e}", param="messages") from None
+    prompt = list(prompt)
+    check_length(prompt, ctx)
+    return prompt, initial_state(tok, prompt)
+
+
+def text_prompt(prompt, ctx: ServerContext) -> List[int]:
+    if not isinstance(prompt, str):
+        raise RequestError("'prompt' must be a string", param="prompt")
+    tokens = ctx.tokenizer.encode(prompt)
+    check_length(tokens, ctx)
+    return tokens
+
+
+def initial_state(tokenizer, prompt: List[int]) -> str:
+    """ "reasoning" when the prompt leaves the model inside a think block."""
+    if tokenizer.response_initial_state:
+        return tokenizer.response_initial_state
+    if tokenizer.has_thinking:
+        if tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+            return "reasoning"
+    return "normal"
+
+
+def openai_request(path: str, body, ctx: ServerContext) -> Tuple[List[int], str, Any]:
+    """``(prompt, initial state, params)`` of a ``/v1/chat/completions`` or
+    ``/v1/completions`` body; ``params`` also carries the response options."""
+    check_model(body, ctx)
+    params = generation_params(body, ctx)
+    logprobs = body.get("logprobs")
+    if path.endswith("chat/completions"):
+        field(body, "logprobs", "bool")
+        top = field(body, "top_logprobs", "int", 0, low=0, high=MAX_TOP_LOGPROBS)
+        tools = body.get("tools")
+        kwargs = field(body, "chat_template_kwargs", "dict")
+        prompt, state = chat_prompt(body.get("messages"), tools, ctx, kwargs)
+        params.tools = tools
+        params.logprobs = bool(logprobs)
+        params.top_logprobs = top if logprobs else 0
+    else:  # completions: logprobs is the number of alternatives
+        top = field(body, "logprobs", "int", None, low=0, high=MAX_TOP_LOGPROBS)
+        if "prompt" not in body:
+            raise RequestError("'prompt' is required", param="prompt")
+        prompt, state = text_prompt(body["prompt"], ctx), "normal"
+        params.logprobs = top is not None
+        params.top_logprobs = top or 0
+    return prompt, state, params

@@ -1,0 +1,72 @@
+"""Decoder states kept between requests, so that a conversation's next turn
+prefills only its new tokens.
+
+Gated-DeltaNet state cannot be trimmed back to a shorter prefix, so a state is
+reusable only by a prompt that *extends* its history: the normal multi-turn
+and agent pattern (the next request's prompt is the previous prompt, the
+reply, and the new message). A state is the whole speculative context: the
+target's caches, the MTP head's cache and what the n-gram index is rebuilt
+from. Bounded by bytes and by count, least recently used evicted first.
+"""
+
+import threading
+from collections import OrderedDict
+from typing import List, Optional, Sequence, Tuple
+
+from ..core.snapshot import DecoderState
+
+
+class StateCache:
+    def __init__(self, max_bytes: int, max_entries: int = 10):
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self._entries: "OrderedDict[Tuple, DecoderState]" = OrderedDict()
+        self._nbytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, drafter: str, prompt: Sequence[int]) -> Optional[DecoderState]:
+        """The state with the longest history that is a strict prefix of
+        ``prompt`` (at least one token is left to feed), for ``drafter``."""
+        prompt = tuple(prompt)
+        with self._lock:
+            best = None
+            for (name, history), state in self._entries.items():
+                n = len(history)
+                if name == drafter and n < len(prompt) and prompt[:n] == history:
+                    if best is None or n > len(best[0][1]):
+                        best = ((name, history), state)
+            if best is None:
+                return None
+            self._entries.move_to_end(best[0])
+            return best[1]
+
+    def insert(self, state: DecoderState):
+        """Keep ``state`` (it must not be written to afterwards)."""
+        key = (state.drafter, tuple(state.history))
+        size = state.nbytes
+        with self._lock:
+            self._pop(key)
+            if size > self.max_bytes:
+                return
+            self._entries[key] = state
+            self._nbytes += size
+            while (
+                len(self._entries) > self.max_entries or self._nbytes > self.max_bytes
+            ):
+                self._pop(next(iter(self._entries)))
+
+    def _pop(self, key):
+        state = self._entries.pop(key, None)
+        if state is not None:
+            self._nbytes -= state.nbytes
+
+    def histories(self) -> List[int]:
+        """Lengths of the kept histories, least recently used first."""
+        with self._lock:
+            return [len(h) for _, h in self._entries]

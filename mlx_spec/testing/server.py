@@ -1,0 +1,73 @@
+"""Start an HTTP server process for a test or a benchmark, and always stop it."""
+
+import contextlib
+import http.client
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Iterator, List, Optional
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answers(port: int) -> bool:
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/health")
+        ok = conn.getresponse().status == 200
+        conn.close()
+        return ok
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def running_server(
+    argv: List[str], port: int, timeout: float = 120.0, log: Optional[str] = None
+) -> Iterator[subprocess.Popen]:
+    """Run ``argv`` (a server on 127.0.0.1:``port``) until its ``/health``
+    answers; stop it (terminate, then kill) when the block ends, whatever
+    happened. Its output goes to ``log`` (a file path) or is discarded."""
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ)
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while not _answers(port):
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}: {argv}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not answer within {timeout} s: {argv}")
+            time.sleep(0.1)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+        if log:
+            out.close()
+
+
+def mlx_spec_server(model, port: int, *extra: str) -> List[str]:
+    """The command line of ``mlx_spec server`` in this Python."""
+    return [
+        sys.executable,
+        "-m",
+        "mlx_spec",
+        "server",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        *extra,
+    ]

@@ -1,0 +1,154 @@
+"""The server's engine without HTTP: kept states reused exactly, the text
+router (reasoning, tool calls, stop words) and the state cache's bounds."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.tool_parsers import json_tools
+
+from mlx_spec.core.snapshot import DecoderState
+from mlx_spec.server.engine import (
+    Engine,
+    Finished,
+    GenerationParams,
+    Job,
+    Segment,
+    Started,
+    Token,
+    ToolCall,
+    _TextRouter,
+)
+from mlx_spec.server.state_cache import StateCache
+from mlx_spec.testing.reference import prompts, reference_tokens
+
+
+def run(engine, prompt, **params):
+    job = engine.submit(Job(prompt, GenerationParams(**params)))
+    events = []
+    while not events or not isinstance(events[-1], (Finished, Exception)):
+        events.append(job.events.get(timeout=300))
+    if isinstance(events[-1], Exception):
+        raise events[-1]
+    return events
+
+
+def tokens_of(events):
+    return [e.token for e in events if isinstance(e, Token)]
+
+
+@pytest.fixture(params=["ngram", "mtp+ngram"])
+def engine(request, models):
+    model, tok = models["qwen3_next"]
+    e = Engine(model, tok, request.param, num_draft_tokens=3)
+    yield e
+    e.close()
+
+
+def test_a_longer_prompt_continues_the_kept_state_exactly(engine, models):
+    model, tok = models["qwen3_next"]
+    tok.eos_token_ids = set()  # run the full lengths
+    try:
+        first = prompts("mixed")
+        events = run(engine, first, max_tokens=10)
+        reply = tokens_of(events)
+        assert reply == reference_tokens(model, tok, first, 10)
+        second = first + reply + [5, 6, 7]
+        events = run(engine, second, max_tokens=12)
+        started = next(e for e in events if isinstance(e, Started))
+        assert started.cached_tokens == len(first) + len(reply)
+        assert tokens_of(events) == reference_tokens(model, tok, second, 12)
+        # the same conversation again: the state before its last token
+        again = run(engine, second, max_tokens=12)
+        assert next(e for e in again if isinstance(e, Started)).cached_tokens == (
+            len(second) - 1
+        )
+        assert tokens_of(again) == tokens_of(events)
+    finally:
+        tok.eos_token_ids = {399}
+
+
+def test_a_cancelled_job_keeps_only_what_was_decoded(engine, models):
+    model, tok = models["qwen3_next"]
+    prompt = prompts("repetitive")
+    job = Job(prompt, GenerationParams(max_tokens=500))
+    job.cancel()  # before it starts: never run
+    engine.submit(job)
+    events = run(engine, prompt, max_tokens=4)  # the queue moved on
+    assert len(tokens_of(events)) == 4
+    assert job.events.empty()
+
+
+class StubTokenizer:
+    """The attributes mlx-lm's text state machine reads, for a tokenizer with
+    think and tool-call markers (mlx-lm's JSON tool parser)."""
+
+    has_thinking, think_start, think_end = True, "<think>", "</think>"
+    has_tool_calling = True
+    tool_call_start, tool_call_end = "<tool_call>", "</tool_call>"
+    response_transitions, structural_markers = {}, []
+    tool_parser = staticmethod(json_tools.parse_tool_call)
+
+
+def route(chunks, stop=(), initial="normal", last="stop"):
+    router = _TextRouter(StubTokenizer(), GenerationParams(8, stop=list(stop)), initial)
+    events = []
+    for i, chunk in enumerate(chunks):
+        end = i == len(chunks) - 1
+        events += router.feed(chunk, end and last == "stop", end and last == "length")
+        if router.stopped:
+            break
+    return router, events
+
+
+def test_router_splits_reasoning_content_and_tool_calls():
+    call = json.dumps({"name": "f", "arguments": {"x": 1}})
+    text = f"<think>plan it</think>Hello <tool_call>{call}</tool_call>"
+    chunks = [text[i : i + 5] for i in range(0, len(text), 5)]  # markers split
+    router, events = route(chunks)
+    reasoning = "".join(
+        e.text for e in events if isinstance(e, Segment) and e.kind == "reasoning"
+    )
+    content = "".join(
+        e.text for e in events if isinstance(e, Segment) and e.kind == "content"
+    )
+    assert reasoning == "plan it" and content == "Hello "
+    assert [e for e in events if isinstance(e, ToolCall)] == [ToolCall("f", {"x": 1})]
+    assert router.made_tool_call
+
+
+def test_router_starts_in_reasoning_when_the_prompt_opened_a_think_block():
+    _, events = route(["a</think>b"], initial="reasoning")
+    assert events == [Segment("reasoning", "a"), Segment("content", "b")]
+
+
+def test_stop_word_across_chunks_ends_the_text_before_it():
+    router, events = route(["abcST", "OPdef", "ghi"], stop=["STOP"])
+    assert router.stopped
+    assert "".join(e.text for e in events) == "abc"
+
+
+def test_length_flushes_held_back_text():
+    _, events = route(["ab<thi"], last="length")
+    assert "".join(e.text for e in events) == "ab<thi"
+
+
+def _state(history, nbytes):
+    return DecoderState(list(history), None, [], "ngram", [mx.zeros((nbytes // 4,))])
+
+
+def test_state_cache_longest_strict_prefix_and_bounds():
+    cache = StateCache(max_bytes=1000, max_entries=3)
+    cache.insert(_state([1, 2], 100))
+    cache.insert(_state([1, 2, 3, 4], 100))
+    assert cache.lookup("ngram", [1, 2, 3, 4, 5]).history == [1, 2, 3, 4]
+    assert cache.lookup("ngram", [1, 2, 3, 4]).history == [1, 2]  # strict prefix
+    assert cache.lookup("mtp", [1, 2, 3, 4, 5]) is None  # another drafter's
+    assert cache.lookup("ngram", [9]) is None
+    cache.insert(_state([7], 100))
+    cache.insert(_state([8], 100))  # a fourth entry: the least recently used goes
+    assert len(cache) == 3 and cache.lookup("ngram", [1, 2, 3, 4, 5]) is not None
+    cache.insert(_state([6], 900))  # over the byte bound: evicted down to fit
+    assert cache.nbytes <= 1000
+    cache.insert(_state([5], 5000))  # larger than the bound: not kept
+    assert cache.lookup("ngram", [5, 1]) is None and cache.nbytes <= 1000
