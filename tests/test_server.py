@@ -253,6 +253,8 @@ BAD = [
         400,
     ),
     ("/v1/completions", {"prompt": 7}, None, 400),
+    ("/v1/completions", {"prompt": "x", "n": 2}, None, 400),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 3}}, None, 400),
     ("/v1/nothing", {}, None, 404),
 ]
 

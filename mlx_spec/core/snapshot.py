@@ -41,6 +41,24 @@ def _arrays(tree):
             yield from _arrays(item)
 
 
+def _share(value):
+    """A new handle on the same data: a later write through either handle
+    (``a[...] = b`` rebinds only that handle) leaves the other unchanged, and
+    nothing is copied until such a write."""
+    if isinstance(value, mx.array):
+        return mx.array(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_share(v) for v in value)
+    return value
+
+
+def copy_cache(cache):
+    """An independent copy of a layer cache, without copying its arrays."""
+    new = copy.copy(cache)
+    new.__dict__.update({k: _share(v) for k, v in vars(cache).items()})
+    return new
+
+
 def drafter_name(drafter) -> str:
     return "none" if drafter is None else drafter.name
 
@@ -56,7 +74,7 @@ def capture(decoder, copy_caches: bool = False) -> DecoderState:
     caches = list(decoder.cache.caches)
     mx.eval([c.state for c in caches], arrays)
     if copy_caches:
-        caches = [copy.deepcopy(c) for c in caches]
+        caches = [copy_cache(c) for c in caches]
     return DecoderState(
         list(decoder.history),
         decoder.last_hidden,
@@ -82,7 +100,7 @@ def restore(decoder, state: DecoderState, copy_caches: bool = False):
         if isinstance(target[i], GDNSlotCache):
             target[i].cache = list(c.cache)  # arrays are replaced, never written
         else:
-            target[i] = copy.deepcopy(c) if copy_caches else c
+            target[i] = copy_cache(c) if copy_caches else c
     decoder.history = list(state.history)
     decoder.processed = len(decoder.history)
     decoder.last_hidden = state.last_hidden

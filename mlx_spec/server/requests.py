@@ -65,6 +65,28 @@ def field(body, name, kind, default=None, low=None, high=None):
     return value
 
 
+# OpenAI fields that would change the output but are not implemented here.
+UNSUPPORTED = (
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def check_unsupported(body):
+    if field(body, "n", "int", 1) != 1:
+        raise RequestError("only 'n': 1 is supported", param="n")
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, 0, 0.0, {}):
+            raise RequestError(f"'{name}' is not supported by this server", param=name)
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise RequestError(
+            "only the 'text' response_format is supported", param="response_format"
+        )
+
+
 def check_model(body, ctx: ServerContext):
     model = field(body, "model", "str")
     if model not in (None, ctx.model_id, "default_model"):
@@ -183,6 +205,7 @@ def openai_request(path: str, body, ctx: ServerContext) -> Tuple[List[int], str,
     """``(prompt, initial state, params)`` of a ``/v1/chat/completions`` or
     ``/v1/completions`` body; ``params`` also carries the response options."""
     check_model(body, ctx)
+    check_unsupported(body)
     params = generation_params(body, ctx)
     logprobs = body.get("logprobs")
     if path.endswith("chat/completions"):

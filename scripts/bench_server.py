@@ -1,0 +1,178 @@
+"""Drive ``mlx_spec server`` and ``mlx_lm.server`` on the same model with N
+concurrent clients, in one run, and report throughput, time to first token
+and the speculation counters; then time the first token of turn 2 of a long
+conversation against turn 1 (the kept conversation state at work).
+
+Each server runs alone (one after the other) on 127.0.0.1; every client
+streams greedy ``/v1/completions`` requests of the bundled bench workloads.
+
+    python scripts/bench_server.py [--model DIR] [--clients 1 2 4] [--max-tokens 128]
+
+On Linux preload OpenBLAS for GPU-like matmul scaling (say so in results):
+LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+"""
+
+import argparse
+import http.client
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import mlx_spec
+from mlx_spec.commands.bench import load_workloads, machine_info
+from mlx_spec.demo import default_model_path
+from mlx_spec.testing.server import free_port, mlx_spec_server, running_server
+
+
+def stream(port, path, body):
+    """One streamed request: time to first text, seconds, tokens, speculation."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    tic = time.perf_counter()
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"{path}: HTTP {r.status}: {r.read()[:300]!r}")
+    first, tokens, speculation = None, 0, None
+    for line in r:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        for choice in chunk.get("choices") or []:
+            text = choice.get("text") or (choice.get("delta") or {}).get("content")
+            if text and first is None:
+                first = time.perf_counter() - tic
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        speculation = chunk.get("speculation") or speculation
+    conn.close()
+    return {
+        "ttft": first or 0.0,
+        "seconds": time.perf_counter() - tic,
+        "tokens": tokens,
+        "speculation": speculation,
+    }
+
+
+def concurrent(port, prompts, clients, max_tokens, extra):
+    """``clients`` threads, each sending ``prompts`` in turn (offset by its index)."""
+    results, errors = [], []
+
+    def client(i):
+        for j in range(len(prompts)):
+            body = {"prompt": prompts[(i + j) % len(prompts)], "max_tokens": max_tokens}
+            try:
+                results.append(stream(port, "/v1/completions", {**body, **extra}))
+            except Exception as e:  # reported, not hidden
+                errors.append(repr(e))
+
+    tic = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    drafted = sum((r["speculation"] or {}).get("drafted", 0) for r in results)
+    accepted = sum((r["speculation"] or {}).get("accepted", 0) for r in results)
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "aggregate_tps": sum(r["tokens"] for r in results) / wall,
+        "request_tps": statistics.median(
+            r["tokens"] / (r["seconds"] - r["ttft"]) for r in results
+        ),
+        "ttft_median": statistics.median(r["ttft"] for r in results),
+        "accepted": accepted,
+        "drafted": drafted,
+    }
+
+
+def conversation(port, context, max_tokens, extra):
+    """Time to first token of turn 1 (a long context) and turn 2 (the same
+    conversation plus the reply and a short question)."""
+    messages = [{"role": "user", "content": context}]
+    body = {"messages": messages, "max_tokens": max_tokens, **extra}
+    one = stream(port, "/v1/chat/completions", body)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body))
+    reply = json.loads(conn.getresponse().read())["choices"][0]["message"]["content"]
+    conn.close()
+    messages += [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Now add a docstring."},
+    ]
+    two = stream(port, "/v1/chat/completions", {**body, "messages": messages})
+    return one["ttft"], two["ttft"]
+
+
+def run_server(name, argv, port, prompts, context, args, log_dir):
+    extra = {"temperature": 0.0}
+    rows = []
+    with running_server(argv, port, timeout=300, log=str(log_dir / f"{name}.log")):
+        stream(port, "/v1/completions", {"prompt": prompts[0], "max_tokens": 8})
+        for n in args.clients:
+            rows.append(
+                {"server": name, **concurrent(port, prompts, n, args.max_tokens, extra)}
+            )
+            print(json.dumps(rows[-1]), flush=True)
+        ttft1, ttft2 = conversation(port, context, 32, extra)
+    print(
+        json.dumps({"server": name, "turn1_ttft": ttft1, "turn2_ttft": ttft2}),
+        flush=True,
+    )
+    return rows, (ttft1, ttft2)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(default_model_path()))
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--context-chars", type=int, default=6000)
+    p.add_argument("--servers", nargs="+", default=["mlx_spec", "mlx_lm"])
+    args = p.parse_args()
+    _, tok = mlx_spec.load(args.model)
+    prompts = [w["prompt"] for w in load_workloads(tokenizer=tok)]
+    context = "\n\n".join(prompts)[: args.context_chars]
+    print(json.dumps(machine_info()), flush=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_server_"))
+    table, turns = [], {}
+    for name in args.servers:
+        port = free_port()
+        if name == "mlx_spec":
+            argv = mlx_spec_server(args.model, port)
+        else:
+            argv = [sys.executable, "-m", "mlx_lm.server", "--model", args.model]
+            argv += ["--port", str(port), "--host", "127.0.0.1"]
+        rows, turns[name] = run_server(
+            name, argv, port, prompts, context, args, log_dir
+        )
+        table += rows
+    print()
+    print(
+        "| server | clients | aggregate tok/s | per-request tok/s | TTFT median s | accepted/drafted |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in table:
+        spec = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "-"
+        print(
+            f"| {r['server']} | {r['clients']} | {r['aggregate_tps']:.1f} | "
+            f"{r['request_tps']:.1f} | {r['ttft_median']:.3f} | {spec} |"
+        )
+    print()
+    print("| server | turn 1 TTFT s | turn 2 TTFT s |")
+    print("|---|---|---|")
+    for name, (one, two) in turns.items():
+        print(f"| {name} | {one:.3f} | {two:.3f} |")
+    print(f"\nserver logs: {log_dir}")
+
+
+if __name__ == "__main__":
+    main()
