@@ -16,6 +16,7 @@ import mlx_lm
 import openai
 import pytest
 
+import mlx_spec
 from mlx_spec.mlx_lm_compat import server_message_helpers
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
 from mlx_spec.testing.server import free_port, mlx_spec_server, running_server
@@ -94,9 +95,15 @@ def test_models_and_health(server, client):
     assert health(server[1])["status"] == "ok"
 
 
-def test_completion_equals_mlx_lm_greedy(client, plain):
+def test_completion_equals_mlx_lm_and_mlx_spec_greedy(client, plain, server):
     r = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=24)
-    assert r.choices[0].text == reference(plain, plain[1].encode(PROMPT), 24)
+    want = reference(plain, plain[1].encode(PROMPT), 24)
+    model, tok = mlx_spec.load(server[0])
+    assert (
+        r.choices[0].text
+        == want
+        == mlx_spec.generate(model, tok, PROMPT, max_tokens=24)
+    )
     assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
     spec = r.model_extra["speculation"]
     assert spec["verify_passes"] >= 1 and 0 <= spec["accepted"] <= spec["drafted"]
