@@ -60,3 +60,13 @@ def plain_models(checkpoint_dirs):
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
+
+
+@pytest.fixture(scope="module")
+def predictive_model(tmp_path_factory):
+    """A tiny qwen3_next whose MTP head predicts the target well, so sampled
+    MTP drafts are often, but not always, accepted."""
+    from mlx_spec.testing.mtp_heads import write_predictive_checkpoint
+
+    path = write_predictive_checkpoint(tmp_path_factory.mktemp("pred"), "qwen3_next")
+    return mlx_spec.load(path)[0]

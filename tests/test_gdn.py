@@ -42,12 +42,36 @@ def test_verify_forward_equals_mlx_lm_forward(models, family, T):
         assert mx.array_equal(a, b)
 
 
-def test_batched_cache_is_refused(models):
+def test_left_padded_cache_is_refused(models):
     model, _ = models["qwen3_5"]
     layer = _gdn_layers(model)[0]
     cache = GDNSlotCache(max_tokens=4)
-    cache.lengths = mx.array([3])
+    cache.left_padding = mx.array([1])
     cache.capturing = True
     H = layer.in_proj_qkv.weight.shape[1]
-    with pytest.raises(NotImplementedError, match="batched"):
+    with pytest.raises(NotImplementedError, match="left-padded"):
         layer(mx.zeros((1, 2, H)), None, cache)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_rows_padded_at_the_end_match_mlx_lm(plain_models, models, family):
+    """A batch of rows with their own lengths (cache.lengths): the verify
+    forward and a commit of each row's length give mlx-lm's output on the
+    valid tokens and mlx-lm's caches."""
+    model, _ = models[family]
+    layer = _gdn_layers(model)[0]
+    plain_layer = _gdn_layers(plain_models[family][0])[0]
+    H = layer.out_proj.weight.shape[0]
+    x = mx.random.normal((3, 4, H), key=mx.random.key(1))
+    lengths = [4, 1, 2]
+    plain, ours = ArraysCache(2), GDNSlotCache(max_tokens=4)
+    plain.lengths, ours.lengths = mx.array(lengths), mx.array(lengths)
+    mask = plain.make_mask(4)
+    want = plain_layer(x, mask, plain)
+    ours.capturing = True
+    got = layer(x, ours.make_mask(4), ours)
+    ours.commit(lengths)
+    for b, n in enumerate(lengths):
+        assert mx.array_equal(got[b, :n], want[b, :n])
+    for a, b in zip(ours.cache, plain.cache):
+        assert mx.array_equal(a, b)

@@ -3,13 +3,17 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from scipy import stats as sps
 
 import mlx_spec
 import mlx_spec.core.verify as verify
 from mlx_spec.core.decode import speculative_generate_step
 from mlx_spec.core.sampling import Sampler, make_sampler, rejection_sample
 from mlx_spec.drafters import make_drafter
+from mlx_spec.testing.distributions import (
+    chi2_pvalue,
+    discriminating_prompt,
+    exact_first_tokens,
+)
 from mlx_spec.testing.reference import prompts
 
 V = 6
@@ -26,14 +30,6 @@ def _run(draft, p, q, n_samples=4000, seed=0):
     return np.array(mx.stack(out).tolist())  # [N, 2]: (accepted, token)
 
 
-def _chi2_pvalue(counts, probs):
-    probs = np.asarray(probs, dtype=np.float64)
-    keep = probs > 0
-    assert counts[~keep].sum() == 0, "a token outside the support was emitted"
-    expected = probs[keep] / probs[keep].sum() * counts.sum()
-    return sps.chisquare(counts[keep], expected).pvalue
-
-
 def test_identical_distributions_accept_everything():
     p = _probs([0.1, 0.2, 0.3, 0.4, 0, 0], [0.5, 0.5, 0, 0, 0, 0], [0.2] * 5 + [0])
     res = _run([3, 0], p, p[:2], n_samples=300)
@@ -47,7 +43,7 @@ def test_q_zero_always_rejects_and_samples_residual():
     assert (res[:, 0] == 0).all()
     residual = np.maximum(np.array(p[0]) - np.array(q[0]), 0)
     counts = np.bincount(res[:, 1], minlength=V)
-    assert _chi2_pvalue(counts, residual / residual.sum()) > 1e-3
+    assert chi2_pvalue(counts, residual / residual.sum()) > 1e-3
 
 
 def test_draft_outside_top_k_support_always_rejected():
@@ -64,7 +60,7 @@ def test_full_acceptance_draws_bonus_from_last_distribution():
     p = _probs([0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 1, 0], last)
     res = _run([2, 4], p, None)
     assert (res[:, 0] == 2).all()
-    assert _chi2_pvalue(np.bincount(res[:, 1], minlength=V), last) > 1e-3
+    assert chi2_pvalue(np.bincount(res[:, 1], minlength=V), last) > 1e-3
 
 
 def test_one_hot_draft_accepts_with_probability_p_x():
@@ -73,7 +69,7 @@ def test_one_hot_draft_accepts_with_probability_p_x():
     assert abs((res[:, 0] == 1).mean() - 0.5) < 0.04
     # The emitted token (draft if accepted, else the residual sample) ~ p.
     first = np.where(res[:, 0] == 1, 1, res[:, 1])
-    assert _chi2_pvalue(np.bincount(first, minlength=V), np.array(p[0])) > 1e-3
+    assert chi2_pvalue(np.bincount(first, minlength=V), np.array(p[0])) > 1e-3
 
 
 def test_emitted_first_token_follows_p_for_sampled_drafts():
@@ -86,7 +82,7 @@ def test_emitted_first_token_follows_p_for_sampled_drafts():
         x = int(rng.choice(V, p=np.array(q[0])))
         n, tok = rejection_sample(mx.array([x]), mx.log(p), q).tolist()
         firsts.append(x if n else tok)
-    assert _chi2_pvalue(np.bincount(firsts, minlength=V), np.array(p[0])) > 1e-3
+    assert chi2_pvalue(np.bincount(firsts, minlength=V), np.array(p[0])) > 1e-3
 
 
 def test_make_sampler_matches_mlx_lm_sampling():
@@ -111,33 +107,6 @@ def test_make_sampler_matches_mlx_lm_sampling():
 TOP_K, N_RUNS, N_TOKENS = 6, 600, 3
 
 
-def _exact_first_tokens(model, prompt, sampler):
-    """Exact joint distribution of the first two tokens of plain sampling, and
-    the marginal of the third, by enumerating the top-k supports."""
-
-    def dist(prefixes):
-        x = mx.array([prompt + list(p) for p in prefixes])
-        logits = model(x)[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return np.array(
-            mx.softmax(sampler.logits(logprobs), axis=-1).astype(mx.float32)
-        )
-
-    p1 = dist([()])[0]
-    firsts = [int(a) for a in np.flatnonzero(p1)]
-    p2 = dist([(a,) for a in firsts])
-    pairs = {
-        (a, int(b)): p1[a] * p2[i, b]
-        for i, a in enumerate(firsts)
-        for b in np.flatnonzero(p2[i])
-    }
-    p3_rows = dist(list(pairs))
-    third = np.zeros(p1.size)
-    for w, row in zip(pairs.values(), p3_rows):
-        third += w * row
-    return pairs, third
-
-
 def _spec_samples(model, prompt, sampler, drafter_name, k=3, seed=0):
     mx.random.seed(seed)
     runs = []
@@ -156,7 +125,7 @@ def _spec_samples(model, prompt, sampler, drafter_name, k=3, seed=0):
 
 
 def _distribution_pvalues(model, prompt, sampler, drafter_name):
-    pairs, third = _exact_first_tokens(model, prompt, sampler)
+    pairs, third = exact_first_tokens(model, prompt, sampler)
     runs = _spec_samples(model, prompt, sampler, drafter_name)
     keys = list(pairs)
     index = {kv: i for i, kv in enumerate(keys)}
@@ -164,32 +133,14 @@ def _distribution_pvalues(model, prompt, sampler, drafter_name):
     for a, b in runs[:, :2]:
         assert (a, b) in index, f"pair {(a, b)} has probability 0 under plain sampling"
         pair_counts[index[(a, b)]] += 1
-    p_pairs = _chi2_pvalue(pair_counts, list(pairs.values()))
-    p_third = _chi2_pvalue(np.bincount(runs[:, 2], minlength=third.size), third)
+    p_pairs = chi2_pvalue(pair_counts, list(pairs.values()))
+    p_third = chi2_pvalue(np.bincount(runs[:, 2], minlength=third.size), third)
     return p_pairs, p_third
-
-
-def _discriminating_prompt(model, sampler, drafter_name="ngram"):
-    """A repetitive prompt whose first (greedy) draft the target finds neither
-    certain nor impossible (random models rarely do): there, a verifier that
-    mishandles rejections visibly shifts the output distribution."""
-    for seed in range(200):
-        prompt = prompts("repetitive", n=10, seed=seed)
-        drafter = make_drafter(drafter_name, model)
-        hidden = model.model(mx.array([prompt[:-1]]))[0]
-        drafter.reset(prompt, hidden)
-        draft = drafter.draft(1)
-        logits = model(mx.array([prompt]))[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        p = mx.softmax(sampler.logits(logprobs), axis=-1)[0]
-        if draft and 0.25 < p[draft[0]].item() < 0.75:
-            return prompt
-    raise AssertionError("no discriminating prompt found")
 
 
 @pytest.fixture
 def copy_prompt(models):
-    return _discriminating_prompt(models["qwen3_next"][0], Sampler(1.0, top_k=TOP_K))
+    return discriminating_prompt(models["qwen3_next"][0], Sampler(1.0, top_k=TOP_K))
 
 
 def test_ngram_sampling_matches_plain_distribution(models, copy_prompt):
@@ -199,20 +150,10 @@ def test_ngram_sampling_matches_plain_distribution(models, copy_prompt):
     assert min(p_pairs, p_third) > 1e-3, (p_pairs, p_third)
 
 
-@pytest.fixture(scope="module")
-def predictive_model(tmp_path_factory):
-    """A tiny qwen3_next whose MTP head predicts the target well, so sampled
-    MTP drafts are often, but not always, accepted."""
-    from mlx_spec.testing.mtp_heads import write_predictive_checkpoint
-
-    path = write_predictive_checkpoint(tmp_path_factory.mktemp("pred"), "qwen3_next")
-    return mlx_spec.load(path)[0]
-
-
 @pytest.mark.parametrize("drafter_name", ["mtp", "mtp+ngram"])
 def test_mtp_sampling_matches_plain_distribution(predictive_model, drafter_name):
     sampler = Sampler(temp=1.0, top_k=TOP_K)
-    prompt = _discriminating_prompt(predictive_model, sampler, "mtp")
+    prompt = discriminating_prompt(predictive_model, sampler, "mtp")
     p_pairs, p_third = _distribution_pvalues(
         predictive_model, prompt, sampler, drafter_name
     )

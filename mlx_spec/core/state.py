@@ -44,7 +44,7 @@ class GDNSlotCache(ArraysCache):
         self.max_tokens = max_tokens
         self.rollback = rollback
         self.capturing = False
-        self._pass = None  # (T, conv_input [B, K-1+T, C], slots or replay inputs)
+        self._pass = None  # (T, conv_input [B, K-1+T, C], pre-pass state, saved)
 
     @classmethod
     def wrap(cls, cache: ArraysCache, max_tokens: int, rollback: str):
@@ -59,7 +59,7 @@ class GDNSlotCache(ArraysCache):
         verify pass, none between passes."""
         if self._pass is None:
             return 0
-        _, conv_input, saved = self._pass
+        _, conv_input, _, saved = self._pass
         arrays = [conv_input] + [a for a in _flatten(saved) if a is not None]
         return sum(a.nbytes for a in arrays)
 
@@ -80,30 +80,49 @@ class GDNSlotCache(ArraysCache):
         if store:  # states: T per-token states, slot t = after token t
             final, saved = states[T - 1], states
         else:
-            final, saved = states, (pre_state, gdn_inputs, mask)
-        self._pass = (T, conv_input, saved)
+            final, saved = states, (gdn_inputs, mask)
+        self._pass = (T, conv_input, pre_state, saved)
         n_keep = conv_input.shape[1] - T
         self[0] = mx.contiguous(conv_input[:, -n_keep:])
         self[1] = final
         self.advance(T)
         return y
 
-    def commit(self, n: int):
-        """Keep the first ``n`` tokens of the last verify pass (1 <= n <= T)."""
+    def commit(self, n):
+        """Keep the first ``n`` tokens of the last verify pass (1 <= n <= T);
+        a list: ``n[b]`` tokens of row ``b`` (0: the row as before the pass)."""
         self.capturing = False
-        T, conv_input, saved = self._pass
+        T, conv_input, pre_state, saved = self._pass
         self._pass = None
-        if n == T:
+        if isinstance(n, int):
+            if n < T:
+                self[0], self[1] = self._rows_after(n, conv_input, pre_state, saved)
             return
-        n_keep = conv_input.shape[1] - T
-        self[0] = mx.contiguous(conv_input[:, n : n + n_keep])
+        rows = [
+            self._rows_after(k, conv_input[b : b + 1], pre_state, saved, b)
+            for b, k in enumerate(n)
+        ]
+        self[0] = mx.concatenate([conv for conv, _ in rows])
+        self[1] = mx.concatenate([state for _, state in rows])
+
+    def _rows_after(self, n, conv_input, pre_state, saved, row=None):
+        """(conv window, recurrent state) after ``n`` tokens, of every row or
+        of ``row`` (then shaped as one row)."""
+        pick = (lambda a: a) if row is None else (lambda a: a[row : row + 1])
+        n_keep = self.cache[0].shape[1]
+        conv = mx.contiguous(conv_input[:, n : n + n_keep])
+        if n == 0:
+            if pre_state is None:
+                return conv, mx.zeros_like(pick(self.cache[1]))
+            return conv, pick(pre_state)
         if self.rollback == "store":
-            self[1] = saved[n - 1]
-        else:
-            pre_state, inputs, mask = saved
-            prefix = [x[:, :n] for x in inputs[:5]] + list(inputs[5:])
-            mask = None if mask is None else mask[:, :n]
-            _, self[1] = gated_delta_steps(*prefix, pre_state, mask, keep_states=False)
+            return conv, pick(saved[n - 1])
+        inputs, mask = saved
+        prefix = [pick(x)[:, :n] for x in inputs[:5]] + list(inputs[5:])
+        mask = None if mask is None else pick(mask)[:, :n]
+        pre = None if pre_state is None else pick(pre_state)
+        _, state = gated_delta_steps(*prefix, pre, mask, keep_states=False)
+        return conv, state
 
 
 def _flatten(tree):

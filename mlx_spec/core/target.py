@@ -52,10 +52,15 @@ class Target:
 
     def forward(self, tokens: mx.array) -> Tuple[mx.array, Optional[mx.array]]:
         """tokens: [T] -> (logits [T, V], hidden [T, H] or None)."""
+        logits, hidden = self.forward_rows(tokens[None])
+        return logits[0], None if hidden is None else hidden[0]
+
+    def forward_rows(self, tokens: mx.array) -> Tuple[mx.array, Optional[mx.array]]:
+        """tokens: [B, T] -> (logits [B, T, V], hidden [B, T, H] or None)."""
         if self.head is None:
-            return self.model(tokens[None], cache=self.cache.caches)[0], None
-        hidden = self.model.model(tokens[None], cache=self.cache.caches)
-        return self.head(hidden)[0], hidden[0]
+            return self.model(tokens, cache=self.cache.caches), None
+        hidden = self.model.model(tokens, cache=self.cache.caches)
+        return self.head(hidden), hidden
 
     def prefill(
         self,

@@ -10,9 +10,9 @@ each through the layer's own modules and mlx-lm's functions) and hands the
 cache the conv input and the recurrence inputs, so it can restore the state
 after any prefix of the ``T`` tokens. That restatement is the one piece of
 mlx-lm's code written again here; ``tests/test_gdn.py`` checks it against the
-installed mlx-lm (same output and cache as the parent's forward), and a
-batched cache (``cache.lengths``, mlx-lm's left-padded batches) is refused
-rather than handled differently.
+installed mlx-lm (same output and cache as the parent's forward). Rows of a
+batch padded at the end (``cache.lengths``, the batch decoder's layout) are
+masked as mlx-lm masks them; left-padded caches are refused.
 """
 
 import mlx.core as mx
@@ -31,10 +31,10 @@ class _VerifyGDNMixin:
 
     def _verify_forward(self, inputs: mx.array, mask, cache) -> mx.array:
         # inputs: [B, T, hidden]
-        if cache.lengths is not None:
+        if cache.left_padding is not None:
             raise NotImplementedError(
-                "speculative verify passes over batched (left-padded) GDN caches "
-                "are not supported"
+                "speculative verify passes over left-padded GDN caches are not "
+                "supported (a batch pads its rows at the end: cache.lengths)"
             )
         B, T, _ = inputs.shape
         qkv, z, b, a = self._project(inputs)

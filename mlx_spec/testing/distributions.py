@@ -1,0 +1,67 @@
+"""Exact distributions of plain sampling, and the chi-square test that
+sampled speculative output follows them (scipy, a test dependency)."""
+
+from typing import Dict, List, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..drafters import make_drafter
+from .reference import prompts
+
+
+def chi2_pvalue(counts, probs) -> float:
+    """p-value of ``counts`` under ``probs``; any count outside the support fails."""
+    from scipy import stats as sps
+
+    probs = np.asarray(probs, dtype=np.float64)
+    keep = probs > 0
+    if counts[~keep].sum():
+        raise AssertionError("a token outside the support was emitted")
+    expected = probs[keep] / probs[keep].sum() * counts.sum()
+    return sps.chisquare(counts[keep], expected).pvalue
+
+
+def exact_first_tokens(model, prompt, sampler) -> Tuple[Dict, np.ndarray]:
+    """Exact joint distribution of the first two tokens of plain sampling, and
+    the marginal of the third, by enumerating the top-k supports."""
+
+    def dist(prefixes):
+        x = mx.array([prompt + list(p) for p in prefixes])
+        logits = model(x)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return np.array(
+            mx.softmax(sampler.logits(logprobs), axis=-1).astype(mx.float32)
+        )
+
+    p1 = dist([()])[0]
+    firsts = [int(a) for a in np.flatnonzero(p1)]
+    p2 = dist([(a,) for a in firsts])
+    pairs = {
+        (a, int(b)): p1[a] * p2[i, b]
+        for i, a in enumerate(firsts)
+        for b in np.flatnonzero(p2[i])
+    }
+    p3_rows = dist(list(pairs))
+    third = np.zeros(p1.size)
+    for w, row in zip(pairs.values(), p3_rows):
+        third += w * row
+    return pairs, third
+
+
+def discriminating_prompt(model, sampler, drafter_name: str = "ngram") -> List[int]:
+    """A repetitive prompt whose first (greedy) draft the target finds neither
+    certain nor impossible (random models rarely do): there, a verifier that
+    mishandles rejections visibly shifts the output distribution."""
+    for seed in range(200):
+        prompt = prompts("repetitive", n=10, seed=seed)
+        drafter = make_drafter(drafter_name, model)
+        hidden = model.model(mx.array([prompt[:-1]]))[0]
+        drafter.reset(prompt, hidden)
+        draft = drafter.draft(1)
+        logits = model(mx.array([prompt]))[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        p = mx.softmax(sampler.logits(logprobs), axis=-1)[0]
+        if draft and 0.25 < p[draft[0]].item() < 0.75:
+            return prompt
+    raise AssertionError("no discriminating prompt found")

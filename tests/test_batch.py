@@ -1,0 +1,178 @@
+"""Batched speculative decoding: every row's tokens are those it gets alone."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_spec.core.batch import BatchDecoder
+from mlx_spec.core.decode import SpeculativeDecoder
+from mlx_spec.core.sampling import Sampler, make_sampler
+from mlx_spec.drafters import make_drafter
+from mlx_spec.mlx_lm_compat import make_prompt_cache
+from mlx_spec.testing.distributions import (
+    chi2_pvalue,
+    discriminating_prompt,
+    exact_first_tokens,
+)
+from mlx_spec.testing.reference import (
+    OracleDrafter,
+    cache_arrays,
+    prompts,
+    reference_tokens,
+)
+
+EOS = 399
+
+
+def joined(model, prompt, drafter, max_draft=4):
+    d = SpeculativeDecoder(model, drafter, max_draft=max_draft)
+    d.feed(prompt)
+    return d
+
+
+def run(batch, rows, max_steps=500):
+    """Step until every row is done; ``rows``: slot -> list collecting tokens."""
+    for _ in range(max_steps):
+        if not batch.active:
+            return
+        for b, tokens in batch.step().items():
+            rows[b] += tokens
+    raise AssertionError("the batch did not finish")
+
+
+def drafter_for(kind, model, prompt, ref):
+    if kind == "oracle":
+        return OracleDrafter(prompt + ref, error=0.3, seed=len(prompt))
+    return make_drafter(kind, model)
+
+
+@pytest.mark.parametrize(
+    "kinds", [("oracle", "ngram", "oracle"), ("mtp", "mtp+ngram", "none")]
+)
+def test_each_row_equals_its_decoding_alone(models, family, kinds):
+    model, tok = models[family]
+    specs = [
+        (prompts("mixed"), 20, 3),
+        (prompts("repetitive", n=9), 14, 0),
+        ([7], 17, 5),
+    ]
+    batch = BatchDecoder(model, n_slots=4, max_draft=5)
+    rows, want = {}, {}
+    for (prompt, max_tokens, k), kind in zip(specs, kinds):
+        ref = reference_tokens(model, tok, prompt, max_tokens)
+        drafter = None if kind == "none" else drafter_for(kind, model, prompt, ref)
+        b = batch.add(
+            joined(model, prompt, drafter, 5),
+            max_tokens,
+            num_draft_tokens=k,
+            stop_tokens={EOS},
+        )
+        rows[b], want[b] = [], ref
+    run(batch, rows)
+    assert rows == want
+
+
+def test_rows_join_and_leave_between_passes(models, family):
+    model, tok = models[family]
+    a, b, c = (
+        prompts("mixed", seed=1),
+        prompts("repetitive", seed=2),
+        prompts("random", n=7),
+    )
+    want = {p: reference_tokens(model, tok, p, 24) for p in map(tuple, (a, b, c))}
+    batch = BatchDecoder(model, n_slots=2, max_draft=4)
+
+    def add(p):
+        ref = want[tuple(p)]
+        d = joined(model, p, OracleDrafter(p + ref, error=0.2, seed=3))
+        return batch.add(d, 24, num_draft_tokens=4, stop_tokens={EOS})
+
+    got = {}
+    sa, sb = add(a), add(b)
+    got[sa], got[sb] = [], []
+    for _ in range(3):
+        for s, t in batch.step().items():
+            got[s] += t
+    # b leaves mid-run as a single-sequence decoder, c takes its slot
+    left, b_tokens = batch.take(sb), got.pop(sb)
+    sc = add(c)
+    got[sc] = []
+    run(batch, got)
+    assert got[sa] == want[tuple(a)] and got[sc] == want[tuple(c)]
+    # b goes on alone from exactly where the batch left it
+    rest = _continue(left, 24 - len(b_tokens))
+    assert b_tokens + rest == want[tuple(b)]
+
+
+def _continue(decoder, max_tokens):
+    """Plain one-token steps of a single-sequence decoder."""
+    out = []
+    while len(out) < max_tokens and EOS not in out:
+        emitted, _, _ = decoder.verify(0, make_sampler(0.0))
+        decoder.commit(emitted)
+        out += emitted
+    return out
+
+
+def test_a_row_taken_out_holds_plain_decodings_caches(models, family):
+    model, tok = models[family]
+    prompt = prompts("mixed", seed=4)
+    ref = reference_tokens(model, tok, prompt, 13)
+    batch = BatchDecoder(model, n_slots=3, max_draft=4)
+    other = batch.add(
+        joined(model, prompts("random"), make_drafter("ngram", model)), 30
+    )
+    slot = batch.add(
+        joined(model, prompt, OracleDrafter(prompt + ref, error=0.3)),
+        13,
+        num_draft_tokens=4,
+    )
+    tokens = []
+    while slot in batch.active:
+        tokens += batch.step().get(slot, [])
+    decoder = batch.take(slot)
+    assert tokens == ref and other in batch.active
+    decoder.flush()  # the last token processed, as plain decoding's cache holds it
+    plain = make_prompt_cache(model)
+    reference_tokens(model, tok, prompt, 13, prompt_cache=plain)
+    got, want = cache_arrays(decoder.cache.caches), cache_arrays(plain)
+    assert len(got) == len(want)
+    for x, y in zip(got, want):
+        assert x.shape == y.shape and mx.array_equal(x, y).item()
+
+
+TOP_K, N_RUNS = 6, 500
+
+
+def _batch_samples(model, prompt, sampler, drafter_name):
+    """The first three tokens of ``prompt``'s row, sampled in a batch beside
+    another sequence, ``N_RUNS`` times."""
+    mx.random.seed(0)
+    other, runs = prompts("mixed", seed=9), []
+    for _ in range(N_RUNS):
+        batch = BatchDecoder(model, n_slots=2, max_draft=3)
+        rows = []
+        for p, n in ((prompt, 3), (other, 5)):
+            d = joined(model, p, make_drafter(drafter_name, model), 3)
+            rows.append(batch.add(d, n, sampler=sampler, num_draft_tokens=3))
+        tokens = []
+        while rows[0] in batch.active:
+            tokens += batch.step().get(rows[0], [])
+        runs.append(tokens)
+    return np.array(runs)
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram", "mtp", "mtp+ngram"])
+def test_sampled_rows_follow_plain_sampling(predictive_model, drafter_name):
+    sampler = Sampler(temp=1.0, top_k=TOP_K)
+    prompt = discriminating_prompt(predictive_model, sampler, "mtp")
+    pairs, third = exact_first_tokens(predictive_model, prompt, sampler)
+    runs = _batch_samples(predictive_model, prompt, sampler, drafter_name)
+    index = {pair: i for i, pair in enumerate(pairs)}
+    counts = np.zeros(len(pairs))
+    for a, b in runs[:, :2]:
+        assert (a, b) in index, f"pair {(a, b)} has probability 0 under plain sampling"
+        counts[index[(a, b)]] += 1
+    p_pairs = chi2_pvalue(counts, list(pairs.values()))
+    p_third = chi2_pvalue(np.bincount(runs[:, 2], minlength=third.size), third)
+    assert min(p_pairs, p_third) > 1e-3, (p_pairs, p_third)
