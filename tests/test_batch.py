@@ -35,7 +35,7 @@ def run(batch, rows, max_steps=500):
     for _ in range(max_steps):
         if not batch.active:
             return
-        for b, tokens in batch.step().items():
+        for b, (tokens, _) in batch.step().items():
             rows[b] += tokens
     raise AssertionError("the batch did not finish")
 
@@ -91,7 +91,7 @@ def test_rows_join_and_leave_between_passes(models, family):
     sa, sb = add(a), add(b)
     got[sa], got[sb] = [], []
     for _ in range(3):
-        for s, t in batch.step().items():
+        for s, (t, _) in batch.step().items():
             got[s] += t
     # b leaves mid-run as a single-sequence decoder, c takes its slot
     left, b_tokens = batch.take(sb), got.pop(sb)
@@ -129,7 +129,7 @@ def test_a_row_taken_out_holds_plain_decodings_caches(models, family):
     )
     tokens = []
     while slot in batch.active:
-        tokens += batch.step().get(slot, [])
+        tokens += batch.step().get(slot, ([], None))[0]
     decoder = batch.take(slot)
     assert tokens == ref and other in batch.active
     decoder.flush()  # the last token processed, as plain decoding's cache holds it
@@ -157,7 +157,7 @@ def _batch_samples(model, prompt, sampler, drafter_name):
             rows.append(batch.add(d, n, sampler=sampler, num_draft_tokens=3))
         tokens = []
         while rows[0] in batch.active:
-            tokens += batch.step().get(rows[0], [])
+            tokens += batch.step().get(rows[0], ([], None))[0]
         runs.append(tokens)
     return np.array(runs)
 
@@ -176,3 +176,41 @@ def test_sampled_rows_follow_plain_sampling(predictive_model, drafter_name):
     p_pairs = chi2_pvalue(counts, list(pairs.values()))
     p_third = chi2_pvalue(np.bincount(runs[:, 2], minlength=third.size), third)
     assert min(p_pairs, p_third) > 1e-3, (p_pairs, p_third)
+
+
+def test_the_batch_empties_and_fills_again(models, family):
+    """Every row leaves, then one-token and longer prompts join again."""
+    model, tok = models[family]
+    batch = BatchDecoder(model, n_slots=2, max_draft=3)
+    for prompt in ([5, 6, 7], [9], prompts("mixed", seed=6)):
+        want = reference_tokens(model, tok, prompt, 6)
+        id = batch.add(joined(model, prompt, make_drafter("ngram", model)), 6)
+        got = {id: []}
+        run(batch, got)
+        batch.take(id)
+        assert got[id] == want and batch.free == 2
+
+
+def test_memory_flat_with_slots_cycling(tmp_path):
+    """Sequences of mostly accepted drafts cycle through two slots; active
+    memory with the batch empty does not grow from one round to the next."""
+    import mlx_spec
+    from mlx_spec.testing.mtp_heads import cycle_order, write_cycle_checkpoint
+
+    model, _ = mlx_spec.load(write_cycle_checkpoint(tmp_path / "c", "qwen3_next"))
+    order = cycle_order()
+    batch = BatchDecoder(model, n_slots=2, max_draft=8)
+    readings = []
+    for round in range(6):
+        ids = {}
+        for i in range(2):
+            prompt = order[10 * i + round : 10 * i + round + 30]
+            d = joined(model, prompt, make_drafter("mtp+ngram", model), 8)
+            ids[batch.add(d, 150, num_draft_tokens=8)] = []
+        run(batch, ids)
+        for id in ids:
+            assert len(ids[id]) == 150
+            batch.take(id)
+        mx.eval([])
+        readings.append(mx.get_active_memory())
+    assert readings[-1] - readings[1] < (1 << 20), readings

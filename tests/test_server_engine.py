@@ -8,16 +8,16 @@ import pytest
 from mlx_lm.tool_parsers import json_tools
 
 from mlx_spec.core.snapshot import DecoderState
-from mlx_spec.server.engine import (
-    Engine,
+from mlx_spec.server.engine import Engine
+from mlx_spec.server.events import (
     Finished,
     GenerationParams,
     Job,
     Segment,
     Started,
+    TextRouter,
     Token,
     ToolCall,
-    _TextRouter,
 )
 from mlx_spec.server.state_cache import StateCache
 from mlx_spec.testing.reference import prompts, reference_tokens
@@ -68,6 +68,23 @@ def test_a_longer_prompt_continues_the_kept_state_exactly(engine, models):
         tok.eos_token_ids = {399}
 
 
+def test_concurrent_jobs_share_passes_and_each_gets_its_answer(models):
+    model, tok = models["qwen3_5_moe"]
+    engine = Engine(model, tok, "ngram", num_draft_tokens=3, batch_size=3, start=False)
+    try:
+        specs = [(prompts("mixed"), 12), (prompts("repetitive"), 20), ([4, 8, 15], 7)]
+        jobs = [engine.submit(Job(p, GenerationParams(n))) for p, n in specs]
+        engine.start()  # all three are waiting: they join the first pass together
+        for job, (prompt, n) in zip(jobs, specs):
+            events = []
+            while not events or not isinstance(events[-1], (Finished, Exception)):
+                events.append(job.events.get(timeout=300))
+            assert tokens_of(events) == reference_tokens(model, tok, prompt, n)
+        assert engine.peak_decoding == 3
+    finally:
+        engine.close()
+
+
 def test_a_cancelled_job_keeps_only_what_was_decoded(engine, models):
     model, tok = models["qwen3_next"]
     prompt = prompts("repetitive")
@@ -91,7 +108,7 @@ class StubTokenizer:
 
 
 def route(chunks, stop=(), initial="normal", last="stop"):
-    router = _TextRouter(StubTokenizer(), GenerationParams(8, stop=list(stop)), initial)
+    router = TextRouter(StubTokenizer(), GenerationParams(8, stop=list(stop)), initial)
     events = []
     for i, chunk in enumerate(chunks):
         end = i == len(chunks) - 1

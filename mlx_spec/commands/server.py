@@ -73,6 +73,12 @@ def setup_parser():
         default=1 << 30,
         help="Most bytes of conversation states kept, e.g. 2G (default: 1G).",
     )
+    p.add_argument(
+        "--decode-concurrency",
+        type=int,
+        default=4,
+        help="Most requests verified together in one batched pass (default: 4).",
+    )
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument(
         "--log-level",
@@ -116,6 +122,7 @@ def main(argv=None):
             cache_bytes=args.prompt_cache_bytes,
             cache_entries=args.prompt_cache_size,
             prefill_step_size=args.prefill_step_size,
+            batch_size=args.decode_concurrency,
         )
     ctx = ServerContext(
         tokenizer,

@@ -1,9 +1,11 @@
 """Batched speculative decoding: the active sequences verified in one target pass.
 
-A :class:`BatchDecoder` holds ``n_slots`` sequence slots, allocated once. A
-sequence joins (:meth:`add`) as a prefilled single-sequence
-:class:`SpeculativeDecoder` and leaves (:meth:`take`) as one again, between
-passes, without touching the others. Each :meth:`step`:
+A :class:`BatchDecoder` decodes up to ``n_slots`` sequences. A sequence joins
+(:meth:`add`) as a prefilled single-sequence :class:`SpeculativeDecoder` and
+leaves (:meth:`take`) as one again, between passes, without changing the
+others' tokens. The batched caches hold exactly the sequences present (rows
+are appended and removed when they join and leave, so no pass computes an
+empty slot). Each :meth:`step`:
 
 1. every active row drafts with its own drafter and draft length (0 allowed);
 2. the target runs once over ``[B, T]`` tokens, ``T = 1 + the longest draft``;
@@ -17,7 +19,7 @@ So each row's tokens are those it would get decoded alone.
 """
 
 from dataclasses import dataclass, field
-from typing import Collection, Dict, List, Optional
+from typing import Collection, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -37,23 +39,23 @@ class RaggedKVCache:
 
     step = 256
 
-    def __init__(self, n_slots: int):
+    def __init__(self):
         self.keys = self.values = None
-        self.offsets = [0] * n_slots
+        self.offsets: List[int] = []
 
     @property
     def offset(self) -> mx.array:
         return mx.array(self.offsets)  # per-row rope positions
 
+    def _buffers(self, rows: int, capacity: int, like: mx.array):
+        B, H, _, D = like.shape
+        return (mx.zeros((rows, H, capacity, D), like.dtype) for _ in range(2))
+
     def _reserve(self, length: int, like: mx.array):
         if self.keys is not None and length <= self.keys.shape[2]:
             return
-        B, H, _, D = like.shape
         cap = (length + self.step - 1) // self.step * self.step
-        keys = mx.zeros((len(self.offsets), H, cap, D), like.dtype)
-        values = mx.zeros(
-            (len(self.offsets), like.shape[1], cap, like.shape[3]), like.dtype
-        )
+        keys, values = self._buffers(len(self.offsets), cap, like)
         if self.keys is not None:
             n = self.keys.shape[2]
             keys[..., :n, :], values[..., :n, :] = self.keys, self.values
@@ -83,33 +85,75 @@ class RaggedKVCache:
     def trim_rows(self, counts: List[int]):
         self.offsets = [o - c for o, c in zip(self.offsets, counts)]
 
-    def set_row(self, b: int, cache):
-        """Put one sequence's ``KVCache`` into slot ``b``."""
+    def append_row(self, cache):
+        """Append one sequence's ``KVCache`` as the last row."""
         n = cache.offset
-        self.offsets[b] = n
-        if n == 0:
-            return
-        keys, values = cache.keys[..., :n, :], cache.values[..., :n, :]
-        self._reserve(n, keys)
-        self.keys[b : b + 1, :, :n, :] = keys
-        self.values[b : b + 1, :, :n, :] = values
+        self.offsets.append(n)
+        if n == 0 and self.keys is None:
+            return  # shapes unknown until the first pass
+        like = cache.keys if n else self.keys
+        cap = max(n, 0 if self.keys is None else self.keys.shape[2])
+        cap = (cap + self.step - 1) // self.step * self.step
+        if self.keys is not None and cap > self.keys.shape[2]:
+            self._reserve(cap, self.keys)
+        keys, values = self._buffers(1, cap, like)
+        if n:
+            keys[..., :n, :] = cache.keys[..., :n, :]
+            values[..., :n, :] = cache.values[..., :n, :]
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = mx.concatenate([self.keys, keys])
+            self.values = mx.concatenate([self.values, values])
+
+    def remove_row(self, b: int):
+        self.offsets.pop(b)
+        if not self.offsets:
+            self.keys = self.values = None
+        elif self.keys is not None:
+            keep = mx.array([i for i in range(self.keys.shape[0]) if i != b], mx.int32)
+            self.keys, self.values = self.keys[keep], self.values[keep]
 
     def row(self, b: int):
+        """Row ``b``'s keys and values [1, H, offset, D] (None: empty)."""
         o = self.offsets[b]
+        if self.keys is None or o == 0:
+            return None, None
         return self.keys[b : b + 1, :, :o, :], self.values[b : b + 1, :, :o, :]
-
-    @property
-    def state(self):
-        return self.keys, self.values
 
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+def _append_gdn_row(mine: GDNSlotCache, theirs, rows_before: int):
+    """Append one sequence's GDN state; None arrays mean the zero state."""
+    conv, state = theirs.cache
+    if mine.cache[0] is None and conv is None:
+        return  # every row still at the zero state
+    if mine.cache[0] is None:  # rows so far are at the zero state
+        mine.cache = [
+            mx.zeros((rows_before,) + a.shape[1:], a.dtype) for a in (conv, state)
+        ]
+    new = [
+        mx.zeros_like(a[:1]) if t is None else t
+        for a, t in zip(mine.cache, (conv, state))
+    ]
+    mine.cache = [mx.concatenate([a, n]) for a, n in zip(mine.cache, new)]
+
+
+def _remove_gdn_row(mine: GDNSlotCache, b: int):
+    if mine.cache[0] is not None and mine.cache[0].shape[0] == 1:
+        mine.cache = [None, None]  # empty: the next row sets the shapes
+    elif mine.cache[0] is not None:
+        keep = mx.array([i for i in range(mine.cache[0].shape[0]) if i != b], mx.int32)
+        mine.cache = [a[keep] for a in mine.cache]
+
+
 @dataclass
 class _Row:
-    decoder: SpeculativeDecoder  # its drafter, history and stats; caches live here
+    id: int
+    decoder: SpeculativeDecoder  # its drafter, history and stats
     sampler: object
     policy: Optional[DraftLengthPolicy]
     max_draft: int
@@ -119,7 +163,9 @@ class _Row:
 
 
 class BatchDecoder:
-    """``n_slots`` sequences decoded together, one target pass per step."""
+    """Up to ``n_slots`` sequences decoded together, one target pass per step.
+
+    Sequences are named by the id :meth:`add` returns."""
 
     def __init__(self, model, n_slots: int, max_draft: int, rollback: str = "store"):
         self.model, self.n_slots, self.max_draft = model, n_slots, max_draft
@@ -130,18 +176,27 @@ class BatchDecoder:
                 c = GDNSlotCache(max_draft + 1, rollback)
                 self.gdn.append(c)
             else:
-                c = RaggedKVCache(n_slots)
+                c = RaggedKVCache()
                 self.attention.append(c)
             self.caches.append(c)
         self.target = Target(model, self)
-        self.rows: List[Optional[_Row]] = [None] * n_slots
+        self.rows: List[_Row] = []  # the batch's rows, in cache order
+        self._next_id = 0
 
     @property
     def active(self) -> List[int]:
-        return [b for b, r in enumerate(self.rows) if r is not None and not r.done]
+        """Ids of the sequences still decoding."""
+        return [r.id for r in self.rows if not r.done]
 
-    def free_slots(self) -> List[int]:
-        return [b for b, r in enumerate(self.rows) if r is None]
+    @property
+    def free(self) -> int:
+        return self.n_slots - len(self.rows)
+
+    def _index(self, id: int) -> int:
+        for i, r in enumerate(self.rows):
+            if r.id == id:
+                return i
+        raise KeyError(f"no sequence {id} in the batch")
 
     # -- joining and leaving -------------------------------------------------
     def add(
@@ -153,18 +208,16 @@ class BatchDecoder:
         verify_costs: Optional[List[float]] = None,
         stop_tokens: Collection[int] = (),
     ) -> int:
-        """Move ``decoder`` (fed: one pending token) into a free slot."""
+        """Move ``decoder`` (fed: one pending token) into the batch; its id."""
         if not decoder.pending:
             raise ValueError("the decoder has no pending token: feed it first")
-        free = self.free_slots()
-        if not free:
+        if self.free == 0:
             raise RuntimeError(f"all {self.n_slots} slots are in use")
-        b = free[0]
         for mine, theirs in zip(self.caches, decoder.cache.caches):
             if isinstance(mine, RaggedKVCache):
-                mine.set_row(b, theirs)
+                mine.append_row(theirs)
             else:
-                self._set_gdn_row(mine, b, theirs)
+                _append_gdn_row(mine, theirs, len(self.rows))
         sampler = sampler or make_sampler(0.0)
         if decoder.drafter is not None:
             history = list(decoder.history)
@@ -175,49 +228,45 @@ class BatchDecoder:
         if auto:  # costs of one sequence's passes (measured once per model)
             costs = verify_costs or verify_cost_profile(self.model)
             policy = DraftLengthPolicy(costs, self.max_draft)
-        self.rows[b] = _Row(
-            decoder, sampler, policy, most, max_tokens, set(stop_tokens)
-        )
-        return b
+        id, self._next_id = self._next_id, self._next_id + 1
+        row = _Row(id, decoder, sampler, policy, most, max_tokens, set(stop_tokens))
+        self.rows.append(row)
+        return id
 
-    def _set_gdn_row(self, mine: GDNSlotCache, b: int, theirs):
-        conv, state = theirs.cache  # None: nothing processed, the zero state
-        if mine.cache[0] is None:
-            if conv is None:
-                return  # every row still at the zero state
-            mine.cache = [  # the first row with a state sets the shapes
-                mx.zeros((self.n_slots,) + conv.shape[1:], conv.dtype),
-                mx.zeros((self.n_slots,) + state.shape[1:], state.dtype),
-            ]
-        for mine_array, theirs_array in zip(mine.cache, (conv, state)):
-            row = (
-                mx.zeros_like(mine_array[:1]) if theirs_array is None else theirs_array
-            )
-            mine_array[b : b + 1] = row
-
-    def take(self, b: int) -> SpeculativeDecoder:
-        """Free slot ``b``; its sequence leaves as a single-sequence decoder
-        whose caches hold exactly what the row decoded."""
-        row, self.rows[b] = self.rows[b], None
-        decoder = row.decoder
+    def take(self, id: int) -> SpeculativeDecoder:
+        """Remove sequence ``id``; it leaves as a single-sequence decoder whose
+        caches hold exactly what it decoded."""
+        b = self._index(id)
+        decoder = self.rows.pop(b).decoder
         for mine, theirs in zip(self.caches, decoder.cache.caches):
             if isinstance(mine, RaggedKVCache):
                 keys, values = mine.row(b)
-                theirs.keys, theirs.values = mx.array(keys), mx.array(values)
-                theirs.offset = keys.shape[2]
-            elif mine.cache[0] is not None:
-                theirs.cache = [mx.array(a[b : b + 1]) for a in mine.cache]
+                if keys is not None:
+                    theirs.keys, theirs.values = mx.array(keys), mx.array(values)
+                    theirs.offset = keys.shape[2]
+                mine.remove_row(b)
+            else:
+                if mine.cache[0] is not None:
+                    theirs.cache = [mx.array(a[b : b + 1]) for a in mine.cache]
+                _remove_gdn_row(mine, b)
         return decoder
 
+    def finish(self, id: int):
+        """Stop sequence ``id`` (a client went away, a stop word): it stays
+        until taken, and no longer decodes."""
+        self.rows[self._index(id)].done = True
+
     # -- one pass ------------------------------------------------------------
-    def step(self) -> Dict[int, List[int]]:
-        """One verify pass over the active rows; the tokens each emitted."""
-        active = self.active
+    def step(self) -> Dict[int, Tuple[List[int], mx.array]]:
+        """One verify pass over the active rows: each one's emitted tokens
+        and their log-probabilities [j, V]."""
+        active = [b for b, r in enumerate(self.rows) if not r.done]
         if not active:
             return {}
         drafts = {b: self._draft(self.rows[b]) for b in active}
         T = 1 + max(len(d) for d in drafts.values())
-        tokens, lengths = [[0] * T for _ in range(self.n_slots)], [0] * self.n_slots
+        B = len(self.rows)
+        tokens, lengths = [[0] * T for _ in range(B)], [0] * B
         for b in active:
             seq = self.rows[b].decoder.history[-1:] + drafts[b]
             tokens[b][: len(seq)], lengths[b] = seq, len(seq)
@@ -225,15 +274,15 @@ class BatchDecoder:
             c.capturing, c.lengths = True, mx.array(lengths)
         logits, hidden = self.target.forward_rows(mx.array(tokens))  # [B, T, V]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        kept, out = [0] * self.n_slots, {}
+        kept, out = [0] * B, {}
         for b in active:
             row, draft = self.rows[b], drafts[b]
             q = row.decoder.drafter.draft_probs if draft else None
             n, token = verify_draft(draft, logprobs[b, : lengths[b]], row.sampler, q)
-            emitted = self._finish(row, draft[:n] + [token])
+            emitted = self._truncate(row, draft[:n] + [token])
             j = len(emitted)
             kept[b] = j + (row.done and j <= n)
-            out[b] = emitted
+            out[row.id] = (emitted, logprobs[b, :j])
             self._record(row, draft, n, emitted, kept[b], hidden, b)
         for c in self.attention:
             c.trim_rows([T - k for k in kept])
@@ -247,14 +296,12 @@ class BatchDecoder:
         room = min(row.max_draft, row.remaining - 1)
         k = row.policy.choose(room) if row.policy else room
         if k <= 0 or d.drafter is None:
-            d.drafted = 0
             return []
         d.drafter.catch_up()
-        draft = d.drafter.draft(k)
-        d.drafted = len(draft)
-        return draft
+        return d.drafter.draft(k)
 
-    def _finish(self, row: _Row, emitted: List[int]) -> List[int]:
+    def _truncate(self, row: _Row, emitted: List[int]) -> List[int]:
+        """``emitted`` up to a stop token or the row's token budget."""
         stop = next((i for i, t in enumerate(emitted) if t in row.stop_tokens), None)
         if stop is not None:
             emitted, row.done = emitted[: stop + 1], True

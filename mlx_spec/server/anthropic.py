@@ -11,7 +11,7 @@ import json
 import uuid
 from typing import Any, Dict, List, Optional
 
-from .engine import Finished, Segment, Started, Token, ToolCall
+from .events import Finished, Segment, Started, Token, ToolCall
 from .requests import (
     RequestError,
     ServerContext,

@@ -1,104 +1,100 @@
-"""The generation worker: one request at a time, speculatively and losslessly.
+"""The generation worker: every request decoded speculatively and losslessly,
+the requests in flight verified together in one target pass per step.
 
-HTTP threads hand a :class:`Job` to :meth:`Engine.submit` and read its events;
-a single worker thread runs the jobs in arrival order (MLX evaluates on one
-stream; batching several requests is a separate concern). Each job continues
-the longest kept decoder state its prompt extends (see ``state_cache``), so
-only the new tokens are prefilled, and leaves its own state behind.
+HTTP threads hand a :class:`Job` to :meth:`Engine.submit` and read its
+events. One worker thread owns the model: between passes it admits waiting
+jobs while the batch has room (each prefilled alone, continuing the longest
+kept decoder state its prompt extends, so only new tokens are prefilled),
+then runs one :class:`BatchDecoder` step for all of them, and lets finished
+or cancelled ones leave, keeping their state for a later turn.
 
 A job's events: ``Started`` once (prompt and cached token counts), then
-``Segment`` (text by kind: content or reasoning), ``ToolCall`` and
-``Token`` events, then ``Finished``; or one exception. ``Job.cancel()`` (a
-client that went away) ends the generation after the current verify pass,
-and the state kept is exactly what was decoded.
+``Token``, ``Segment`` (content or reasoning) and ``ToolCall`` events, then
+``Finished``; or one exception. ``Job.cancel()`` (a client that went away)
+ends its generation after the current pass.
 """
 
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import mlx.core as mx
 
+from ..core.batch import BatchDecoder
 from ..core.decode import SpeculativeDecoder
 from ..core.policy import most_drafts
 from ..core.sampling import make_sampler
 from ..core.snapshot import capture, restore
 from ..core.stats import SpecStats
 from ..drafters import make_drafter
-from ..generate import check_options, stream_generate
-from ..mlx_lm_compat import TextStateMachine, make_text_state_machine
+from ..drafters.base import MAX_DRAFT_TOKENS
+from ..generate import check_options
+from .events import Finished, Job, Started, TextRouter, Token
 from .state_cache import StateCache
 
 log = logging.getLogger("mlx_spec.server")
 
 
-@dataclass
-class GenerationParams:
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: Optional[int] = None
-    stop: List[str] = field(default_factory=list)
-    logprobs: bool = False  # report each token's logprob (the engine always sends it)
-    top_logprobs: int = 0  # alternatives per token (0: none)
-    draft: Optional[str] = None  # None: the server's default
-    num_draft_tokens: Union[int, str, None] = None
-    tools: Optional[List[Dict[str, Any]]] = None
+class _Output:
+    """One admitted job's side: detokenizing, routing text, its finish."""
+
+    def __init__(self, job: Job, tokenizer, draft: str):
+        self.job, self.draft, self.tokenizer = job, draft, tokenizer
+        self.detokenizer = tokenizer.detokenizer
+        self.router = TextRouter(tokenizer, job.params, job.initial_state)
+        self.n, self.reason, self.tic = 0, None, time.perf_counter()
+
+    def emit(self, tokens: List[int], logprobs: mx.array):
+        """Send the events of a pass's tokens; sets ``reason`` once done."""
+        p, events = self.job.params, self.job.events
+        for i, token in enumerate(tokens):
+            self.n += 1
+            row = logprobs[i]
+            events.put(Token(token, row[token].item(), _top(row, p.top_logprobs)))
+            eos = token in self.tokenizer.eos_token_ids
+            if not eos:
+                self.detokenizer.add_token(token)
+            length = self.n >= p.max_tokens
+            if eos or length:
+                self.detokenizer.finalize()
+            for event in self.router.feed(self.detokenizer.last_segment, eos, length):
+                events.put(event)
+            if eos or self.router.stopped:
+                self.reason = "stop"
+            elif length:
+                self.reason = "length"
+            if self.reason:
+                return
+        if self.job.cancelled:
+            self.reason = "cancelled"
+
+    def finish(self, stats: SpecStats):
+        reason = self.reason or "cancelled"
+        if reason == "stop" and self.router.made_tool_call:
+            reason = "tool_calls"
+        speculation = {
+            "draft": self.draft,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "verify_passes": stats.verify_passes,
+            "seconds": round(time.perf_counter() - self.tic, 6),
+        }
+        self.job.events.put(Finished(reason, self.n, speculation))
 
 
-@dataclass
-class Started:
-    prompt_tokens: int
-    cached_tokens: int
-
-
-@dataclass
-class Token:
-    token: int
-    logprob: float
-    top_logprobs: List[tuple]  # [(token, logprob)], most likely first
-
-
-@dataclass
-class Segment:
-    kind: str  # "content" or "reasoning"
-    text: str
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: Dict[str, Any]
-
-
-@dataclass
-class Finished:
-    reason: str  # "stop", "length", "tool_calls", "cancelled"
-    completion_tokens: int
-    speculation: Dict[str, Any]
-
-
-class Job:
-    def __init__(self, prompt: List[int], params: GenerationParams, initial="normal"):
-        self.prompt, self.params, self.initial_state = prompt, params, initial
-        self.events: "queue.Queue" = queue.Queue()
-        self._cancelled = threading.Event()
-
-    def cancel(self):
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
+def _top(logprobs: mx.array, n: int) -> List[tuple]:
+    if n <= 0:
+        return []
+    ids = mx.argpartition(-logprobs, n - 1)[:n]
+    values = logprobs[ids]
+    order = mx.argsort(-values)
+    return list(zip(ids[order].tolist(), values[order].tolist()))
 
 
 class Engine:
-    """Owns the model and the kept states; runs jobs on one worker thread."""
+    """Owns the model and the kept states; decodes on one worker thread."""
 
     def __init__(
         self,
@@ -111,21 +107,31 @@ class Engine:
         cache_bytes: int = 1 << 30,
         cache_entries: int = 10,
         prefill_step_size: int = 2048,
+        batch_size: int = 4,
+        start: bool = True,
     ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model, self.tokenizer = model, tokenizer
         self.draft, self.num_draft_tokens = draft, num_draft_tokens
         self.max_ngram, self.prefill_step_size = max_ngram, prefill_step_size
-        self.rollback = rollback
+        self.rollback, self.batch_size = rollback, batch_size
         self.states = StateCache(cache_bytes, cache_entries)
         self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self.running: Optional[Job] = None
+        self._live: Dict[int, _Output] = {}
+        self._closing = False
+        self.peak_decoding = 0  # most requests verified in one pass so far
         self._worker = threading.Thread(target=self._work, name="mlx_spec-engine")
         self._worker.daemon = True
+        if start:
+            self.start()
+
+    def start(self):
         self._worker.start()
 
     # -- the HTTP side -----------------------------------------------------
     def submit(self, job: Job) -> Job:
-        if not self._worker.is_alive():
+        if self._worker.ident is not None and not self._worker.is_alive():
             raise RuntimeError("the generation worker has stopped")
         self._jobs.put(job)
         return job
@@ -139,9 +145,11 @@ class Engine:
         return self._worker.is_alive()
 
     def status(self) -> dict:
-        """For ``/health``: the queue and the kept states' history lengths."""
+        """For ``/health``: requests decoding and queued, the kept states."""
         return {
-            "busy": self.running is not None,
+            "busy": bool(self._live),
+            "decoding": len(self._live),
+            "peak_decoding": self.peak_decoding,
             "queued": self._jobs.qsize(),
             "kept_states": self.states.histories(),
             "kept_bytes": self.states.nbytes,
@@ -149,22 +157,59 @@ class Engine:
 
     # -- the worker ----------------------------------------------------------
     def _work(self):
-        self._stream = mx.default_stream(mx.default_device())  # this thread's
-        while (job := self._jobs.get()) is not None:
-            if job.cancelled:
-                continue
-            self.running = job
-            try:
-                self._run(job)
-            except Exception as e:  # reported to its client; the worker goes on
-                log.exception("request failed")
-                job.events.put(e)
-            finally:
-                self.running = None
+        batch = BatchDecoder(
+            self.model, self.batch_size, MAX_DRAFT_TOKENS, self.rollback
+        )
+        while not (self._closing and not self._live):
+            while batch.free and not self._closing:
+                try:  # wait for work only when there is nothing to decode
+                    job = self._jobs.get(block=not self._live)
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._closing = True
+                elif not job.cancelled:
+                    self._admit(batch, job)
+            if self._live:
+                try:
+                    self._step(batch)
+                except Exception as e:  # every request in the batch fails, cleanly
+                    log.exception("verify pass failed")
+                    for output in self._live.values():
+                        output.job.events.put(e)
+                    self._live.clear()
+                    batch = self._new_batch()
 
-    def _decoder(self, draft: str, num_draft_tokens, prompt: List[int]):
-        """A decoder continuing the longest kept state ``prompt`` extends, and
-        the tokens still to feed."""
+    def _admit(self, batch: BatchDecoder, job: Job):
+        try:
+            draft, num_draft_tokens, decoder = self._prefill(job)
+            p = job.params
+            if p.seed is not None:
+                mx.random.seed(p.seed)
+            sampler = make_sampler(p.temperature, p.top_p, p.min_p, 1, top_k=p.top_k)
+            output = _Output(job, self.tokenizer, draft)
+            id = batch.add(
+                decoder,
+                p.max_tokens,
+                sampler,
+                num_draft_tokens,
+                stop_tokens=self.tokenizer.eos_token_ids,
+            )
+            self._live[id] = output
+        except Exception as e:  # reported to its client; the others go on
+            log.exception("request failed")
+            job.events.put(e)
+
+    def _prefill(self, job: Job):
+        """The job's decoder, fed its whole prompt (one token pending)."""
+        p = job.params
+        draft = p.draft or self.draft
+        num_draft_tokens = (
+            self.num_draft_tokens if p.num_draft_tokens is None else p.num_draft_tokens
+        )
+        if draft == "none":
+            num_draft_tokens = 0
+        check_options(p.max_tokens, draft, num_draft_tokens)
         drafter = make_drafter(draft, self.model, max_ngram=self.max_ngram)
         decoder = SpeculativeDecoder(
             self.model,
@@ -174,22 +219,11 @@ class Engine:
             prefill_step_size=self.prefill_step_size,
             stats=SpecStats(),
         )
-        state = self.states.lookup(draft, prompt)
-        if state is None:
-            return decoder, prompt
-        restore(decoder, state, copy_caches=True)
-        return decoder, prompt[len(state.history) :]
-
-    def _run(self, job: Job):
-        p = job.params
-        draft = p.draft or self.draft
-        num_draft_tokens = (
-            self.num_draft_tokens if p.num_draft_tokens is None else p.num_draft_tokens
-        )
-        if draft == "none":
-            draft, num_draft_tokens = "none", 0
-        check_options(p.max_tokens, draft, num_draft_tokens)
-        decoder, new = self._decoder(draft, num_draft_tokens, job.prompt)
+        new = job.prompt
+        state = self.states.lookup(draft, job.prompt)
+        if state is not None:
+            restore(decoder, state, copy_caches=True)
+            new = job.prompt[len(state.history) :]
         job.events.put(Started(len(job.prompt), len(job.prompt) - len(new)))
         if len(new) > 1:
             # Keep the state before the prompt's last token: the next turn's
@@ -198,119 +232,20 @@ class Engine:
             decoder.feed(new[:-1])
             self.states.insert(capture(decoder, copy_caches=True))
             new = new[-1:]
-        if p.seed is not None:
-            mx.random.seed(p.seed)
-        sampler = make_sampler(p.temperature, p.top_p, p.min_p, 1, top_k=p.top_k)
-        text = _TextRouter(self.tokenizer, p, job.initial_state)
-        tic, n, reason = time.perf_counter(), 0, "length"
-        responses = stream_generate(
-            self.model,
-            self.tokenizer,
-            new,
-            p.max_tokens,
-            decoder=decoder,
-            num_draft_tokens=num_draft_tokens,
-            sampler=sampler,
-            stream=self._stream,
-        )
-        try:
-            for r in responses:
-                n += 1
-                lp = r.logprobs
-                job.events.put(Token(r.token, lp[r.token].item(), _top(lp, p)))
-                eos = r.finish_reason == "stop"
-                for event in text.feed(r.text, eos, r.finish_reason == "length"):
-                    job.events.put(event)
-                if eos or text.stopped:
-                    reason = "stop"
-                    break
-                if job.cancelled:
-                    reason = "cancelled"
-                    break
-        finally:
-            responses.close()  # the decoder keeps exactly the tokens decoded
-        if reason == "stop" and text.made_tool_call:
-            reason = "tool_calls"
-        self.states.insert(capture(decoder))
-        stats = decoder.stats
-        job.events.put(Finished(reason, n, _speculation(stats, draft, tic)))
+        decoder.feed(new)
+        return draft, num_draft_tokens, decoder
 
-
-def _top(logprobs: mx.array, p: GenerationParams) -> List[tuple]:
-    if p.top_logprobs <= 0:
-        return []
-    ids = mx.argpartition(-logprobs, p.top_logprobs - 1)[: p.top_logprobs]
-    values = logprobs[ids]
-    order = mx.argsort(-values)
-    return list(zip(ids[order].tolist(), values[order].tolist()))
-
-
-def _speculation(stats: SpecStats, draft: str, tic: float) -> Dict[str, Any]:
-    return {
-        "draft": draft,
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "verify_passes": stats.verify_passes,
-        "seconds": round(time.perf_counter() - tic, 6),
-    }
-
-
-class _TextRouter:
-    """Decoded text split by mlx-lm's text state machine into content,
-    reasoning and tool calls (parsed by the tokenizer's own tool parser).
-
-    A stop word ends the reply where its text appears, however it was
-    tokenized; the machine holds back text that may begin one and strips it.
-    """
-
-    def __init__(self, tokenizer, p: GenerationParams, initial: str):
-        self.tokenizer, self.tools, self.stops = tokenizer, p.tools, p.stop
-        self.state = make_text_state_machine(tokenizer, p.stop).make_state(initial)
-        self.previous = initial
-        self.tail = ""  # the last raw characters, to find stop words across chunks
-        self.tool_text, self.made_tool_call, self.stopped = "", False, False
-
-    def _cut_at_stop(self, text: str) -> str:
-        window = self.tail + text
-        ends = [window.find(s) + len(s) for s in self.stops if s in window]
-        if ends:  # an earlier match would have been found before: it ends here
-            self.stopped = True
-            text = text[: min(ends) - len(self.tail)]
-        keep = max(map(len, self.stops)) - 1
-        self.tail = (self.tail + text)[-keep:] if keep else ""
-        return text
-
-    def feed(self, text: str, stop: bool, length: bool):
-        if self.stops:
-            text = self._cut_at_stop(text)
-            stop = stop or self.stopped
-        self.state, segments = TextStateMachine.split(self.state, text)
-        if stop:  # text held back as a possible control sequence is dropped
-            self.state, _ = TextStateMachine.discard(self.state)
-        elif length:
-            self.state, rest, current = TextStateMachine.flush(self.state)
-            segments.append((current, rest))
-        for kind, piece in segments:
-            if kind == "tool":
-                self.tool_text += piece
-            else:
-                if self.previous == "tool":
-                    yield from self._tool_calls()
-                if piece:
-                    yield Segment(
-                        "reasoning" if kind == "reasoning" else "content", piece
-                    )
-            self.previous = kind
-        if (stop or length or self.stopped) and self.tool_text:
-            yield from self._tool_calls()
-
-    def _tool_calls(self):
-        text, self.tool_text = self.tool_text, ""
-        try:
-            parsed = self.tokenizer.tool_parser(text, self.tools)
-        except (ValueError, KeyError, TypeError) as e:
-            log.warning("unparsable tool call (%s): %r", e, text[:200])
-            return
-        self.made_tool_call = True
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            yield ToolCall(call["name"], call.get("arguments") or {})
+    def _step(self, batch: BatchDecoder):
+        self.peak_decoding = max(self.peak_decoding, len(batch.active))
+        for id, (tokens, logprobs) in batch.step().items():
+            self._live[id].emit(tokens, logprobs)
+        active = set(batch.active)
+        for id, output in list(self._live.items()):
+            if output.job.cancelled and output.reason is None:
+                output.reason = "cancelled"
+            if output.reason is None and id in active:
+                continue
+            decoder = batch.take(id)
+            del self._live[id]
+            self.states.insert(capture(decoder))
+            output.finish(decoder.stats)

@@ -16,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterator
 
 from . import anthropic, openai
-from .engine import Engine, Finished, Job
+from .engine import Engine
+from .events import Finished, Job
 from .requests import RequestError, ServerContext, field, openai_request
 
 log = logging.getLogger("mlx_spec.server")

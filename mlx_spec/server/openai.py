@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional
 
-from .engine import Finished, GenerationParams, Segment, Started, Token, ToolCall
+from .events import Finished, GenerationParams, Segment, Started, Token, ToolCall
 
 
 def error_body(message: str, status: int, param: Optional[str] = None) -> dict:

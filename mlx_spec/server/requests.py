@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..drafters import DRAFTS
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..mlx_lm_compat import server_message_helpers
-from .engine import GenerationParams
+from .events import GenerationParams
 
 MAX_TOP_LOGPROBS = 20
 

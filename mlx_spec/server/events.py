@@ -1,0 +1,136 @@
+"""What flows between the HTTP side and the engine: the request's parameters,
+the job and its events, and the text router that turns decoded text into
+content, reasoning and tool calls."""
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+from ..mlx_lm_compat import TextStateMachine, make_text_state_machine
+
+log = logging.getLogger("mlx_spec.server")
+
+
+@dataclass
+class GenerationParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: List[str] = field(default_factory=list)
+    logprobs: bool = False  # report each token's logprob (the engine always sends it)
+    top_logprobs: int = 0  # alternatives per token (0: none)
+    draft: Optional[str] = None  # None: the server's default
+    num_draft_tokens: Union[int, str, None] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Token:
+    token: int
+    logprob: float
+    top_logprobs: List[tuple]  # [(token, logprob)], most likely first
+
+
+@dataclass
+class Segment:
+    kind: str  # "content" or "reasoning"
+    text: str
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: Dict[str, Any]
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop", "length", "tool_calls", "cancelled"
+    completion_tokens: int
+    speculation: Dict[str, Any]
+
+
+class Job:
+    def __init__(self, prompt: List[int], params: GenerationParams, initial="normal"):
+        self.prompt, self.params, self.initial_state = prompt, params, initial
+        self.events: "queue.Queue" = queue.Queue()
+        self._cancelled = threading.Event()
+
+    def cancel(self):
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class TextRouter:
+    """Decoded text split by mlx-lm's text state machine into content,
+    reasoning and tool calls (parsed by the tokenizer's own tool parser).
+
+    A stop word ends the reply where its text appears, however it was
+    tokenized; the machine holds back text that may begin one and strips it.
+    """
+
+    def __init__(self, tokenizer, p: GenerationParams, initial: str):
+        self.tokenizer, self.tools, self.stops = tokenizer, p.tools, p.stop
+        self.state = make_text_state_machine(tokenizer, p.stop).make_state(initial)
+        self.previous = initial
+        self.tail = ""  # the last raw characters, to find stop words across chunks
+        self.tool_text, self.made_tool_call, self.stopped = "", False, False
+
+    def _cut_at_stop(self, text: str) -> str:
+        window = self.tail + text
+        ends = [window.find(s) + len(s) for s in self.stops if s in window]
+        if ends:  # an earlier match would have been found before: it ends here
+            self.stopped = True
+            text = text[: min(ends) - len(self.tail)]
+        keep = max(map(len, self.stops)) - 1
+        self.tail = (self.tail + text)[-keep:] if keep else ""
+        return text
+
+    def feed(self, text: str, stop: bool, length: bool):
+        if self.stops:
+            text = self._cut_at_stop(text)
+            stop = stop or self.stopped
+        self.state, segments = TextStateMachine.split(self.state, text)
+        if stop:  # text held back as a possible control sequence is dropped
+            self.state, _ = TextStateMachine.discard(self.state)
+        elif length:
+            self.state, rest, current = TextStateMachine.flush(self.state)
+            segments.append((current, rest))
+        for kind, piece in segments:
+            if kind == "tool":
+                self.tool_text += piece
+            else:
+                if self.previous == "tool":
+                    yield from self._tool_calls()
+                if piece:
+                    yield Segment(
+                        "reasoning" if kind == "reasoning" else "content", piece
+                    )
+            self.previous = kind
+        if (stop or length or self.stopped) and self.tool_text:
+            yield from self._tool_calls()
+
+    def _tool_calls(self):
+        text, self.tool_text = self.tool_text, ""
+        try:
+            parsed = self.tokenizer.tool_parser(text, self.tools)
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("unparsable tool call (%s): %r", e, text[:200])
+            return
+        self.made_tool_call = True
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            yield ToolCall(call["name"], call.get("arguments") or {})
