@@ -3,10 +3,13 @@ concurrent clients, in one run, and report throughput, time to first token
 and the speculation counters; then time the first token of turn 2 of a long
 conversation against turn 1 (the kept conversation state at work).
 
-Each server runs alone (one after the other) on 127.0.0.1; every client
-streams greedy ``/v1/completions`` requests of the bundled bench workloads.
+Servers: ``mlx_spec`` (batched speculation, ``--decode-concurrency 8``),
+``mlx_spec-serial`` (the same server one request at a time) and ``mlx_lm``
+(``mlx_lm.server``, which batches plain decoding). Each runs alone (one after
+the other) on 127.0.0.1; every client streams greedy ``/v1/completions``
+requests of the bundled bench workloads.
 
-    python scripts/bench_server.py [--model DIR] [--clients 1 2 4] [--max-tokens 128]
+    python scripts/bench_server.py [--model DIR] [--clients 1 2 4 8] [--max-tokens 128]
 
 On Linux preload OpenBLAS for GPU-like matmul scaling (say so in results):
 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
@@ -133,10 +136,12 @@ def run_server(name, argv, port, prompts, context, args, log_dir):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(default_model_path()))
-    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--context-chars", type=int, default=6000)
-    p.add_argument("--servers", nargs="+", default=["mlx_spec", "mlx_lm"])
+    p.add_argument(
+        "--servers", nargs="+", default=["mlx_spec", "mlx_spec-serial", "mlx_lm"]
+    )
     args = p.parse_args()
     _, tok = mlx_spec.load(args.model)
     prompts = [w["prompt"] for w in load_workloads(tokenizer=tok)]
@@ -146,8 +151,11 @@ def main():
     table, turns = [], {}
     for name in args.servers:
         port = free_port()
-        if name == "mlx_spec":
-            argv = mlx_spec_server(args.model, port)
+        if name.startswith("mlx_spec"):
+            concurrency = "1" if name.endswith("serial") else "8"
+            argv = mlx_spec_server(
+                args.model, port, "--decode-concurrency", concurrency
+            )
         else:
             argv = [sys.executable, "-m", "mlx_lm.server", "--model", args.model]
             argv += ["--port", str(port), "--host", "127.0.0.1"]

@@ -10,9 +10,9 @@ from mlx_spec.core.sampling import Sampler, make_sampler
 from mlx_spec.drafters import make_drafter
 from mlx_spec.mlx_lm_compat import make_prompt_cache
 from mlx_spec.testing.distributions import (
-    chi2_pvalue,
     discriminating_prompt,
     exact_first_tokens,
+    sample_pvalues,
 )
 from mlx_spec.testing.reference import (
     OracleDrafter,
@@ -168,13 +168,7 @@ def test_sampled_rows_follow_plain_sampling(predictive_model, drafter_name):
     prompt = discriminating_prompt(predictive_model, sampler, "mtp")
     pairs, third = exact_first_tokens(predictive_model, prompt, sampler)
     runs = _batch_samples(predictive_model, prompt, sampler, drafter_name)
-    index = {pair: i for i, pair in enumerate(pairs)}
-    counts = np.zeros(len(pairs))
-    for a, b in runs[:, :2]:
-        assert (a, b) in index, f"pair {(a, b)} has probability 0 under plain sampling"
-        counts[index[(a, b)]] += 1
-    p_pairs = chi2_pvalue(counts, list(pairs.values()))
-    p_third = chi2_pvalue(np.bincount(runs[:, 2], minlength=third.size), third)
+    p_pairs, p_third = sample_pvalues(pairs, third, runs)
     assert min(p_pairs, p_third) > 1e-3, (p_pairs, p_third)
 
 
@@ -214,3 +208,18 @@ def test_memory_flat_with_slots_cycling(tmp_path):
         mx.eval([])
         readings.append(mx.get_active_memory())
     assert readings[-1] - readings[1] < (1 << 20), readings
+
+
+def test_a_long_sequence_joins_a_batch_of_short_ones(models, family):
+    """Joining grows every row's attention buffers past their capacity."""
+    model, tok = models[family]
+    short, long = prompts("mixed", seed=7), prompts("random", n=300, seed=8)
+    batch = BatchDecoder(model, n_slots=3, max_draft=3)
+    got, want = {}, {}
+    for p in (short, long):
+        want[batch.add(joined(model, p, make_drafter("ngram", model)), 8)] = (
+            reference_tokens(model, tok, p, 8)
+        )
+    got = {id: [] for id in want}
+    run(batch, got)
+    assert got == want

@@ -13,6 +13,7 @@ from mlx_spec.testing.distributions import (
     chi2_pvalue,
     discriminating_prompt,
     exact_first_tokens,
+    sample_pvalues,
 )
 from mlx_spec.testing.reference import prompts
 
@@ -127,15 +128,7 @@ def _spec_samples(model, prompt, sampler, drafter_name, k=3, seed=0):
 def _distribution_pvalues(model, prompt, sampler, drafter_name):
     pairs, third = exact_first_tokens(model, prompt, sampler)
     runs = _spec_samples(model, prompt, sampler, drafter_name)
-    keys = list(pairs)
-    index = {kv: i for i, kv in enumerate(keys)}
-    pair_counts = np.zeros(len(keys))
-    for a, b in runs[:, :2]:
-        assert (a, b) in index, f"pair {(a, b)} has probability 0 under plain sampling"
-        pair_counts[index[(a, b)]] += 1
-    p_pairs = chi2_pvalue(pair_counts, list(pairs.values()))
-    p_third = chi2_pvalue(np.bincount(runs[:, 2], minlength=third.size), third)
-    return p_pairs, p_third
+    return sample_pvalues(pairs, third, runs)
 
 
 @pytest.fixture

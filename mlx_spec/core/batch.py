@@ -55,7 +55,8 @@ class RaggedKVCache:
         if self.keys is not None and length <= self.keys.shape[2]:
             return
         cap = (length + self.step - 1) // self.step * self.step
-        keys, values = self._buffers(len(self.offsets), cap, like)
+        rows = len(self.offsets) if self.keys is None else self.keys.shape[0]
+        keys, values = self._buffers(rows, cap, like)
         if self.keys is not None:
             n = self.keys.shape[2]
             keys[..., :n, :], values[..., :n, :] = self.keys, self.values
@@ -88,14 +89,15 @@ class RaggedKVCache:
     def append_row(self, cache):
         """Append one sequence's ``KVCache`` as the last row."""
         n = cache.offset
-        self.offsets.append(n)
         if n == 0 and self.keys is None:
+            self.offsets.append(n)
             return  # shapes unknown until the first pass
         like = cache.keys if n else self.keys
+        if self.keys is not None:
+            self._reserve(n, self.keys)  # room for the new row's tokens
         cap = max(n, 0 if self.keys is None else self.keys.shape[2])
         cap = (cap + self.step - 1) // self.step * self.step
-        if self.keys is not None and cap > self.keys.shape[2]:
-            self._reserve(cap, self.keys)
+        self.offsets.append(n)
         keys, values = self._buffers(1, cap, like)
         if n:
             keys[..., :n, :] = cache.keys[..., :n, :]
@@ -311,14 +313,7 @@ class BatchDecoder:
         return emitted
 
     def _record(self, row, draft, n, emitted, kept, hidden, b):
-        d, j = row.decoder, len(emitted)
         if row.policy:
             row.policy.update(len(draft), n, 0.0)
-        d.stats.record(len(draft), min(n, j), j)
         h = None if hidden is None else hidden[b]
-        if d.drafter is not None:
-            d.drafter.accept(emitted, None if h is None else h[:j])
-        d.history += emitted
-        d.processed = len(d.history) - (kept == j)
-        if kept > j and h is not None:
-            d.last_hidden = h[kept - 1 : kept]
+        row.decoder.advance(len(draft), n, emitted, kept, h)

@@ -185,6 +185,13 @@ class SpeculativeDecoder:
         self._quantize()
         if clock is not None:
             clock.lap("commit", [c.state for c in self.cache.caches])
+        self.advance(drafted, n, tokens, kept, hidden)
+
+    def advance(self, drafted: int, n: int, tokens: List[int], kept: int, hidden):
+        """The bookkeeping of a pass whose caches kept ``kept`` inputs and
+        which emitted ``tokens`` (``n`` of ``drafted`` drafts accepted):
+        statistics, the drafter, the history. hidden: [T, H] of the pass or None."""
+        j = len(tokens)
         self.stats.record(drafted, min(n, j), j)
         if self.drafter is not None:
             self.drafter.accept(tokens, None if hidden is None else hidden[:j])

@@ -194,14 +194,7 @@ class MessageResponse:
             if not self.blocks or self.blocks[-1]["type"] != kind:
                 events += self._close() + self._open({"type": kind, kind: ""})
             self.blocks[-1][kind] += event.text
-            delta = {"type": f"{kind}_delta", kind: event.text}
-            index = len(self.blocks) - 1
-            block_delta = {
-                "type": "content_block_delta",
-                "index": index,
-                "delta": delta,
-            }
-            return events + [("content_block_delta", block_delta)]
+            return events + self._delta({"type": f"{kind}_delta", kind: event.text})
         if isinstance(event, ToolCall):
             block = {
                 "type": "tool_use",
@@ -211,17 +204,10 @@ class MessageResponse:
             }
             events = self._close() + self._open({**block, "input": {}})
             self.blocks[-1]["input"] = event.arguments
-            delta = {
-                "type": "input_json_delta",
-                "partial_json": json.dumps(event.arguments),
-            }
-            index = len(self.blocks) - 1
-            block_delta = {
-                "type": "content_block_delta",
-                "index": index,
-                "delta": delta,
-            }
-            return events + [("content_block_delta", block_delta)]
+            partial = json.dumps(event.arguments)
+            return events + self._delta(
+                {"type": "input_json_delta", "partial_json": partial}
+            )
         if isinstance(event, Finished):
             self.finished = event
             delta = {
@@ -235,6 +221,15 @@ class MessageResponse:
                 ("message_stop", {"type": "message_stop"}),
             ]
         raise TypeError(f"unexpected event {event!r}")
+
+    def _delta(self, delta: dict) -> List[tuple]:
+        index = len(self.blocks) - 1
+        return [
+            (
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": delta},
+            )
+        ]
 
     def _open(self, block) -> List[tuple]:
         self.blocks.append(dict(block))

@@ -156,10 +156,13 @@ class Engine:
         }
 
     # -- the worker ----------------------------------------------------------
-    def _work(self):
-        batch = BatchDecoder(
+    def _new_batch(self) -> BatchDecoder:
+        return BatchDecoder(
             self.model, self.batch_size, MAX_DRAFT_TOKENS, self.rollback
         )
+
+    def _work(self):
+        batch = self._new_batch()
         while not (self._closing and not self._live):
             while batch.free and not self._closing:
                 try:  # wait for work only when there is nothing to decode

@@ -65,3 +65,19 @@ def discriminating_prompt(model, sampler, drafter_name: str = "ngram") -> List[i
         if draft and 0.25 < p[draft[0]].item() < 0.75:
             return prompt
     raise AssertionError("no discriminating prompt found")
+
+
+def sample_pvalues(pairs: Dict, third: np.ndarray, runs: np.ndarray):
+    """Chi-square p-values of sampled runs [N, >= 3] against the exact
+    distributions of :func:`exact_first_tokens`: (first two tokens, third)."""
+    index = {pair: i for i, pair in enumerate(pairs)}
+    counts = np.zeros(len(pairs))
+    for a, b in runs[:, :2]:
+        if (a, b) not in index:
+            raise AssertionError(
+                f"pair {(a, b)} has probability 0 under plain sampling"
+            )
+        counts[index[(a, b)]] += 1
+    p_pairs = chi2_pvalue(counts, list(pairs.values()))
+    p_third = chi2_pvalue(np.bincount(runs[:, 2], minlength=third.size), third)
+    return p_pairs, p_third
