@@ -18,6 +18,7 @@ empty slot). Each :meth:`step`:
 So each row's tokens are those it would get decoded alone.
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import Collection, Dict, List, Optional, Tuple
 
@@ -74,7 +75,10 @@ class RaggedKVCache:
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        """[B, 1, N, L]: query t of row b sees positions ``<= offsets[b] + t``."""
+        """[B, 1, N, L]: query t of row b sees positions ``<= offsets[b] + t``
+        (rows at the same offset: mlx-lm's own causal mask, as one sequence)."""
+        if len(set(self.offsets)) == 1 and not return_array:
+            return "causal" if N > 1 else None
         offsets = mx.array(self.offsets)[:, None, None, None]
         query = mx.arange(N)[None, None, :, None]
         key = mx.arange(max(self.offsets) + N)[None, None, None, :]
@@ -265,15 +269,18 @@ class BatchDecoder:
         active = [b for b, r in enumerate(self.rows) if not r.done]
         if not active:
             return {}
-        drafts = {b: self._draft(self.rows[b]) for b in active}
+        drafts, seconds = {}, {}
+        for b in active:
+            drafts[b], seconds[b] = self._draft(self.rows[b])
         T = 1 + max(len(d) for d in drafts.values())
         B = len(self.rows)
         tokens, lengths = [[0] * T for _ in range(B)], [0] * B
         for b in active:
             seq = self.rows[b].decoder.history[-1:] + drafts[b]
             tokens[b][: len(seq)], lengths[b] = seq, len(seq)
+        ragged = any(n < T for n in lengths)  # else no token is masked
         for c in self.gdn:
-            c.capturing, c.lengths = True, mx.array(lengths)
+            c.capturing, c.lengths = True, mx.array(lengths) if ragged else None
         logits, hidden = self.target.forward_rows(mx.array(tokens))  # [B, T, V]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         kept, out = [0] * B, {}
@@ -285,22 +292,28 @@ class BatchDecoder:
             j = len(emitted)
             kept[b] = j + (row.done and j <= n)
             out[row.id] = (emitted, logprobs[b, :j])
-            self._record(row, draft, n, emitted, kept[b], hidden, b)
+            if row.policy:  # it learns what drafting costs, as alone
+                row.policy.update(len(draft), n, seconds[b])
+            h = None if hidden is None else hidden[b]
+            row.decoder.advance(len(draft), n, emitted, kept[b], h)
         for c in self.attention:
             c.trim_rows([T - k for k in kept])
         for c in self.gdn:
-            c.commit(kept)
+            c.commit(kept[0] if B == 1 else kept)
             c.lengths = None
         return out
 
-    def _draft(self, row: _Row) -> List[int]:
+    def _draft(self, row: _Row) -> Tuple[List[int], float]:
+        """The row's draft and the seconds drafting took (deferred drafter
+        work excluded, as for one sequence)."""
         d = row.decoder
         room = min(row.max_draft, row.remaining - 1)
         k = row.policy.choose(room) if row.policy else room
         if k <= 0 or d.drafter is None:
-            return []
+            return [], 0.0
         d.drafter.catch_up()
-        return d.drafter.draft(k)
+        tic = time.perf_counter()
+        return d.drafter.draft(k), time.perf_counter() - tic
 
     def _truncate(self, row: _Row, emitted: List[int]) -> List[int]:
         """``emitted`` up to a stop token or the row's token budget."""
@@ -311,9 +324,3 @@ class BatchDecoder:
             emitted, row.done = emitted[: row.remaining], True
         row.remaining -= len(emitted)
         return emitted
-
-    def _record(self, row, draft, n, emitted, kept, hidden, b):
-        if row.policy:
-            row.policy.update(len(draft), n, 0.0)
-        h = None if hidden is None else hidden[b]
-        row.decoder.advance(len(draft), n, emitted, kept, h)
