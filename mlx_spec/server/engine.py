@@ -49,10 +49,10 @@ class _Output:
     def emit(self, tokens: List[int], logprobs: mx.array):
         """Send the events of a pass's tokens; sets ``reason`` once done."""
         p, events = self.job.params, self.job.events
+        chosen = logprobs[mx.arange(len(tokens)), mx.array(tokens)].tolist()  # one sync
         for i, token in enumerate(tokens):
             self.n += 1
-            row = logprobs[i]
-            events.put(Token(token, row[token].item(), _top(row, p.top_logprobs)))
+            events.put(Token(token, chosen[i], _top(logprobs[i], p.top_logprobs)))
             eos = token in self.tokenizer.eos_token_ids
             if not eos:
                 self.detokenizer.add_token(token)
