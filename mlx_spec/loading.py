@@ -3,10 +3,13 @@
 from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
+import mlx.core as mx
+
 from . import mlx_lm_compat
 from .models.fast_layers import enable_fast_layers
 from .models.gdn import make_verifiable
 from .models.mtp import attach_mtp_head
+from .models.pipeline import split_model
 
 
 def prepare_model(model):
@@ -25,6 +28,7 @@ def load(
     path_or_hf_repo: Union[str, Path],
     tokenizer_config: Optional[dict] = None,
     mtp_path: Optional[Union[str, Path]] = None,
+    pipeline_group=None,
     **kwargs: Any,
 ) -> Tuple[Any, Any]:
     """Load ``(model, tokenizer)`` like ``mlx_lm.load``, ready for speculation.
@@ -33,14 +37,23 @@ def load(
     (see :mod:`mlx_spec.models.mtp.attach`): from ``mtp_path`` (a sidecar written by
     ``mlx_spec convert``), else the directory's ``mtp.safetensors``, else the
     ``mtp.*`` tensors of a raw checkpoint; None when there are none.
+
+    ``pipeline_group`` (an ``mx.distributed`` group of more than one process):
+    this process keeps only its own layers (see :mod:`mlx_spec.models.pipeline`).
     """
     path = Path(path_or_hf_repo)
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if mtp_path is not None and not Path(mtp_path).exists():
         raise FileNotFoundError(f"MTP path {str(mtp_path)!r} does not exist")
+    split = pipeline_group is not None and pipeline_group.size() > 1
+    lazy = kwargs.pop("lazy", False)
     model, tokenizer = mlx_lm_compat.load(
-        str(path), tokenizer_config=tokenizer_config, **kwargs
+        str(path), tokenizer_config=tokenizer_config, lazy=lazy or split, **kwargs
     )
-    attach_mtp_head(model, path, mtp_path=mtp_path, lazy=kwargs.get("lazy", False))
+    if split:  # only this rank's layers are ever read from the files
+        split_model(model, pipeline_group)
+        if not lazy:
+            mx.eval(model.parameters())
+    attach_mtp_head(model, path, mtp_path=mtp_path, lazy=lazy)
     return prepare_model(model), tokenizer

@@ -1,16 +1,21 @@
 """``mlx_spec generate``: the flags of ``mlx_lm.generate`` plus drafting flags."""
 
 import sys
+from contextlib import contextmanager
 
 import mlx.core as mx
 
+from ..core.decode import SpeculativeDecoder
 from ..generate import generate
 from ..mlx_lm_compat import generate_arg_parser
+from ..models.pipeline import shared_seed
 from .common import (
+    CommandError,
     add_speculation_flags,
     bad_input,
     command,
     load_model,
+    one_line,
     refuse_unsupported,
     sampler_from_flags,
 )
@@ -25,18 +30,43 @@ def setup_parser():
         "mlx_spec generate",
         "Speculative generation with drafts from the model's MTP head or n-gram lookup.",
     )
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="Split the model across the processes of an mx.distributed group "
+        "(start them with mlx.launch); rank 0 prints.",
+    )
     # The demo model was trained on Python code.
     parser.set_defaults(prompt="import os\nimport sys\n\n\ndef main(argv):\n    ")
     return parser
+
+
+@contextmanager
+def _pipeline_errors(group):
+    """A lost peer of a pipeline is one line naming this rank, not a traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        if group is None:
+            raise
+        raise CommandError(
+            f"pipeline rank {group.rank()} of {group.size()}: {one_line(e)}"
+        ) from None
 
 
 @command("mlx_spec generate")
 def main(argv=None):
     args = setup_parser().parse_args(argv)
     refuse_unsupported(args, _UNSUPPORTED)
+    group = mx.distributed.init() if args.pipeline else None
+    if group is not None:  # every rank samples alike
+        args.seed = shared_seed(group, args.seed)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    _, model, tokenizer = load_model(args.model, mtp_path=args.mtp_path)
+    _, model, tokenizer = load_model(
+        args.model, mtp_path=args.mtp_path, pipeline_group=group
+    )
+    quiet = group is not None and group.rank() != 0
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
 
@@ -52,13 +82,19 @@ def main(argv=None):
         )
     prompt = tokenizer.encode(prompt, add_special_tokens=not chat)
     sampler = sampler_from_flags(args, tokenizer)
-    with bad_input():
+    extra = {}
+    if group is not None and (args.draft == "none" or args.num_draft_tokens == 0):
+        # mlx-lm's own loop computes a step ahead, which a pipeline cannot
+        # leave cleanly: plain decoding is our loop with no drafts instead.
+        extra["decoder"] = SpeculativeDecoder(model, None, max_draft=1)
+        args.num_draft_tokens = 0
+    with bad_input(), _pipeline_errors(group):
         text = generate(
             model,
             tokenizer,
             prompt,
             max_tokens=args.max_tokens,
-            verbose=args.verbose,
+            verbose=args.verbose and not quiet,
             sampler=sampler,
             draft=args.draft,
             num_draft_tokens=args.num_draft_tokens,
@@ -69,7 +105,8 @@ def main(argv=None):
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
             quantized_kv_start=args.quantized_kv_start,
+            **extra,
         )
-    if not args.verbose:
+    if not args.verbose and not quiet:
         print(text)
     return 0

@@ -1,0 +1,158 @@
+"""A target split over two local processes (``mlx.launch --backend ring``):
+speculative output equals single-process and mlx-lm output, and a rank that
+dies ends the run with the rank named, never a hang.
+
+Every launch runs in its own process group, bounded by a timeout, and is
+killed whatever happens.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import mlx_lm
+import pytest
+
+from mlx_spec.testing.checkpoints import write_tiny_checkpoint
+
+PROMPT = "def fibonacci(n):"
+LAUNCH = [
+    sys.executable,
+    "-c",
+    "from mlx._distributed_utils.launch import main; main()",
+]
+
+
+def launch_argv(model, *args):
+    return (
+        LAUNCH
+        + ["--backend", "ring", "-n", "2", sys.executable, "-m", "mlx_spec"]
+        + [
+            "generate",
+            "--pipeline",
+            "--model",
+            str(model),
+            "--prompt",
+            PROMPT,
+            *args,
+        ]
+    )
+
+
+def stop(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def run_launch(argv, timeout=240):
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out.decode(errors="replace")
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    return {
+        f: write_tiny_checkpoint(root / f, f)
+        for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+    }
+
+
+@pytest.mark.parametrize(
+    "family, draft",
+    [
+        ("qwen3_next", "ngram"),
+        ("qwen3_next", "mtp"),
+        ("qwen3_5", "mtp+ngram"),
+        ("qwen3_5_moe", "mtp+ngram"),
+        ("qwen3_5_moe", "none"),
+    ],
+)
+def test_pipeline_output_equals_single_process_and_mlx_lm(checkpoints, family, draft):
+    path = checkpoints[family]
+    code, out = run_launch(
+        launch_argv(
+            path, "--max-tokens", "16", "--draft", draft, "--num-draft-tokens", "3"
+        )
+    )
+    assert code == 0, out
+    model, tok = mlx_lm.load(str(path))
+    want = mlx_lm.generate(
+        model,
+        tok,
+        (
+            tok.apply_chat_template(
+                [{"role": "user", "content": PROMPT}], add_generation_prompt=True
+            )
+            if tok.has_chat_template
+            else PROMPT
+        ),
+        max_tokens=16,
+    )
+    # rank 0 prints the text between its two rules, the other rank nothing
+    assert out.count("==========") == 2, out
+    text = out.split("==========\n")[1]
+    assert text == want + "\n"
+
+
+def _rank_processes(launcher_pid):
+    """pid -> MLX rank of the launcher's child processes."""
+    ranks = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(
+                    kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv
+                )
+        except OSError:
+            continue
+        if b"MLX_RANK" in env:
+            ranks[int(pid)] = int(env[b"MLX_RANK"])
+    return ranks
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
+def test_a_rank_that_dies_ends_every_rank_naming_it(tmp_path):
+    from mlx_spec.testing.mtp_heads import write_cycle_checkpoint
+
+    # a model whose text never reaches EOS: the run lasts until it is stopped
+    path = write_cycle_checkpoint(tmp_path / "cycle", "qwen3_next")
+    argv = launch_argv(path, "--max-tokens", "100000")
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        for _ in range(50):  # the launcher's lines, then rank 0's first rule
+            if proc.stdout.readline().startswith(b"=========="):
+                break
+        else:
+            raise AssertionError("generation did not start")
+        ranks = {}
+        for _ in range(100):  # the ranks are there once generation started
+            ranks = _rank_processes(proc.pid)
+            if len(ranks) == 2:
+                break
+            time.sleep(0.05)
+        victim = next(pid for pid, rank in ranks.items() if rank == 1)
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)  # never a hang
+        text = out.decode(errors="replace")
+        assert "rank 1 exited" in text, text[-2000:]  # the launcher names it
+        assert not _rank_processes(proc.pid)  # and no rank is left
+    finally:
+        stop(proc)
