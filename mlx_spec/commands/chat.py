@@ -13,8 +13,11 @@ the tokens shown so far are kept, and the state is consistent (exactly as if
 generation had stopped there). Ctrl-C or Ctrl-D at the prompt exits.
 """
 
+import contextlib
+import os
 import signal
 import time
+from typing import Optional
 
 import mlx.core as mx
 
@@ -24,7 +27,9 @@ from ..core.stats import SpecStats
 from ..drafters import default_draft, make_drafter
 from ..generate import check_options
 from ..mlx_lm_compat import chat_arg_parser
+from ..models.pipeline import broadcast_text, shared_seed
 from .common import (
+    CommandError,
     add_speculation_flags,
     bad_input,
     command,
@@ -36,7 +41,7 @@ from .session import check_writable, load_session, save_session
 
 PROG = "mlx_spec chat"
 # mlx_lm.chat flags that speculative decoding here does not implement.
-_UNSUPPORTED = {"max_kv_size": "--max-kv-size", "pipeline": "--pipeline"}
+_UNSUPPORTED = {"max_kv_size": "--max-kv-size"}
 COMMANDS = {
     "/reset": "forget the conversation",
     "/stats": "speculation statistics",
@@ -199,14 +204,26 @@ def run_command(chat, line: str) -> bool:
     return True
 
 
-def converse(chat):
-    """Read lines until /quit, Ctrl-D or Ctrl-C at the prompt; stream replies."""
+def _read_line() -> Optional[str]:
+    """The next input line; None at Ctrl-D or Ctrl-C."""
+    try:
+        return input(">> ").strip()
+    except (EOFError, KeyboardInterrupt):
+        print()
+        return None
+
+
+def converse(chat, group=None):
+    """Read lines until /quit, Ctrl-D or Ctrl-C at the prompt; stream replies.
+
+    With a pipeline ``group`` rank 0 reads and every rank gets the line; a
+    reply then runs to its end (Ctrl-C ends the chat at the prompt only)."""
     interrupt = _Interrupt()
     while True:
-        try:
-            line = input(">> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print()
+        line = _read_line() if group is None or group.rank() == 0 else None
+        if group is not None:
+            line = broadcast_text(group, line)
+        if line is None:
             return
         if not line:
             continue
@@ -214,8 +231,9 @@ def converse(chat):
             if not run_command(chat, line):
                 return
             continue
+        stop = (lambda: interrupt.hit) if group is None else (lambda: False)
         with interrupt:
-            for segment in chat.reply(line, lambda: interrupt.hit):
+            for segment in chat.reply(line, stop):
                 print(segment, end="", flush=True)
         print("\n[interrupted]" if interrupt.hit else "", flush=True)
 
@@ -229,12 +247,19 @@ def main(argv=None):
         refuse_unsupported(args, _UNSUPPORTED)
         if cache_file:
             check_writable(cache_file)
+    group = None
+    if args.pipeline:
+        if cache_file:
+            raise CommandError("--prompt-cache-file is not supported with --pipeline")
+        group = mx.distributed.init()
+        args.seed = shared_seed(group, args.seed)
     mx.random.seed(args.seed)
     model_path, model, tokenizer = load_model(
         args.model,
         mtp_path=args.mtp_path,
         tokenizer_config={"trust_remote_code": args.trust_remote_code},
         adapter_path=args.adapter_path,
+        pipeline_group=group,
     )
     args.draft = args.draft or default_draft(model)
     with bad_input():
@@ -244,8 +269,15 @@ def main(argv=None):
                 load_session(cache_file, chat.decoder, model_path)
             except FileNotFoundError:
                 pass  # a new session, saved there on exit
-    print(f"[mlx_spec chat] {model_path} (draft: {args.draft}). {HELP}.", flush=True)
-    converse(chat)
+    quiet = group is not None and group.rank() != 0  # rank 0 speaks
+    with contextlib.ExitStack() as stack:
+        if quiet:
+            devnull = stack.enter_context(open(os.devnull, "w"))
+            stack.enter_context(contextlib.redirect_stdout(devnull))
+        print(
+            f"[mlx_spec chat] {model_path} (draft: {args.draft}). {HELP}.", flush=True
+        )
+        converse(chat, group)
     if cache_file:
         with bad_input(OSError):
             save_session(cache_file, chat.decoder, model_path)

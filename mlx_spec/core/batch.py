@@ -25,6 +25,7 @@ from typing import Collection, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from ..models.gdn import make_verifiable
+from ..models.pipeline import pipeline_group
 from .decode import SpeculativeDecoder
 from .policy import DraftLengthPolicy, verify_cost_profile
 from .sampling import make_draft_sampler, make_sampler
@@ -233,7 +234,9 @@ class BatchDecoder:
         policy = None
         if auto:  # costs of one sequence's passes (measured once per model)
             costs = verify_costs or verify_cost_profile(self.model)
-            policy = DraftLengthPolicy(costs, self.max_draft)
+            policy = DraftLengthPolicy(
+                costs, self.max_draft, pipeline_group(self.model)
+            )
         id, self._next_id = self._next_id, self._next_id + 1
         row = _Row(id, decoder, sampler, policy, most, max_tokens, set(stop_tokens))
         self.rows.append(row)

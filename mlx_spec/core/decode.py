@@ -7,6 +7,7 @@ import mlx.core as mx
 
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS, as_drafter
 from ..mlx_lm_compat import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
+from ..models.pipeline import pipeline_group
 from .policy import (
     DraftLengthPolicy,
     most_drafts,
@@ -241,7 +242,8 @@ def speculative_generate_step(
             model, drafter, max_draft, stats=stats, **decoder_args
         )
     if auto:
-        policy = DraftLengthPolicy(verify_costs or verify_cost_profile(model))
+        costs = verify_costs or verify_cost_profile(model)
+        policy = DraftLengthPolicy(costs, group=pipeline_group(model))
     else:
         policy = None
     sampler = sampler or make_sampler(0.0)

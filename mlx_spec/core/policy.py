@@ -23,6 +23,7 @@ import mlx.core as mx
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
 from ..mlx_lm_compat import make_prompt_cache
 from ..models.fingerprint import model_fingerprint
+from ..models.pipeline import from_rank0
 
 # Prior acceptance per position before any evidence, and its weight (in passes).
 _PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
@@ -151,11 +152,18 @@ def _write_profile(key: str, costs: List[float]):
 
 
 class DraftLengthPolicy:
-    """Online choice of the number of drafts per verify pass."""
+    """Online choice of the number of drafts per verify pass.
+
+    ``group``: the ranks of a pipeline, which time their passes differently
+    but must verify the same number of tokens: rank 0's choice is used."""
 
     def __init__(
-        self, verify_costs: List[float], max_draft: int = MAX_AUTO_DRAFT_TOKENS
+        self,
+        verify_costs: List[float],
+        max_draft: int = MAX_AUTO_DRAFT_TOKENS,
+        group=None,
     ):
+        self.group = group
         self.verify_costs = list(verify_costs)  # seconds, index 0 = 1 token
         self.max_draft = min(max_draft, len(self.verify_costs) - 1)
         self.accepted = [0.0] * self.max_draft  # decayed counts per position
@@ -195,6 +203,8 @@ class DraftLengthPolicy:
                 best = 1  # re-probe: acceptance may have changed
         else:
             self.passes_at_zero = 0
+        if self.group is not None:
+            best = from_rank0(self.group, best)
         self.last_choice = best
         return best
 

@@ -36,5 +36,29 @@ def shared_seed(group, seed: Optional[int]) -> int:
     mine = seed if seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
     if group is None or group.size() == 1:
         return mine
-    mine = mine if group.rank() == 0 else 0
+    return from_rank0(group, mine)
+
+
+def broadcast_text(group, text: Optional[str]) -> Optional[str]:
+    """Rank 0's ``text`` on every rank (None stays None: the end of input)."""
+    mine = (
+        b"" if group.rank() != 0 else (b"\0" if text is None else b"\1" + text.encode())
+    )
+    size = int(mx.distributed.all_sum(mx.array(len(mine)), group=group).item())
+    data = mx.array(list(mine), mx.uint8) if mine else mx.zeros((size,), mx.uint8)
+    data = bytes(mx.distributed.all_sum(data, group=group).tolist())
+    return None if data[:1] == b"\0" else data[1:].decode()
+
+
+def pipeline_group(model):
+    """The distributed group ``model`` is split over (None: one process)."""
+    inner = getattr(getattr(model, "language_model", model), "model", None)
+    if getattr(inner, "pipeline_size", 1) > 1:
+        return mx.distributed.init()
+    return None
+
+
+def from_rank0(group, value: int) -> int:
+    """Rank 0's ``value`` on every rank."""
+    mine = value if group.rank() == 0 else 0
     return int(mx.distributed.all_sum(mx.array(mine), group=group).item())
