@@ -187,3 +187,45 @@ def test_pipeline_chat_equals_single_process_chat(checkpoints):
         return [l for l in lines if "tokens/s" not in l]
 
     assert replies(ours) == replies(single.stdout.decode(errors="replace").splitlines())
+
+
+def test_pipeline_server_answers_as_mlx_lm(checkpoints):
+    """Rank 0 serves HTTP; both ranks decode every request in lock-step,
+    concurrent ones in one batch."""
+    import threading
+
+    import openai
+
+    from mlx_spec.testing.server import free_port, wait_until_answers
+
+    path, port = checkpoints["qwen3_5"], free_port()
+    argv = LAUNCH + ["--backend", "ring", "-n", "2", sys.executable, "-m", "mlx_spec"]
+    argv += ["server", "--pipeline", "--model", str(path), "--port", str(port)]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_until_answers(port, proc, timeout=180)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
+        )
+        prompts = ["def fibonacci(n):", "import os\n"]
+        got = {}
+
+        def ask(p):
+            r = client.completions.create(model=path.name, prompt=p, max_tokens=12)
+            got[p] = r.choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        model, tok = mlx_lm.load(str(path))
+        for p in prompts:
+            assert got[p] == mlx_lm.generate(model, tok, p, max_tokens=12)
+    finally:
+        stop(proc)

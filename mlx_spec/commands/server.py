@@ -13,8 +13,11 @@ import logging
 import signal
 import threading
 
+import mlx.core as mx
+
 from ..drafters import default_draft
-from ..server.engine import Engine
+from ..models.pipeline import shared_seed
+from ..server.engine import Engine, PipelineEngine
 from ..server.http import make_server
 from ..server.requests import ServerContext
 from .common import (
@@ -81,6 +84,12 @@ def setup_parser():
     )
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="Split the model across the processes of an mx.distributed group "
+        "(start them with mlx.launch); rank 0 serves HTTP.",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -109,10 +118,18 @@ def main(argv=None):
     )
     if not isinstance(args.chat_template_args, dict):
         raise CommandError("--chat-template-args must be a JSON object")
-    path, model, tokenizer = load_model(args.model, mtp_path=args.mtp_path)
+    group = mx.distributed.init() if args.pipeline else None
+    if group is not None:  # every rank samples alike
+        mx.random.seed(shared_seed(group, None))
+    path, model, tokenizer = load_model(
+        args.model, mtp_path=args.mtp_path, pipeline_group=group
+    )
     draft = args.draft or default_draft(model)
+    engine_class, extra = Engine, {}
+    if group is not None:
+        engine_class, extra = PipelineEngine, {"group": group}
     with bad_input():
-        engine = Engine(
+        engine = engine_class(
             model,
             tokenizer,
             draft,
@@ -123,7 +140,11 @@ def main(argv=None):
             cache_entries=args.prompt_cache_size,
             prefill_step_size=args.prefill_step_size,
             batch_size=args.decode_concurrency,
+            **extra,
         )
+    if group is not None and group.rank() != 0:
+        engine.join()  # decodes what rank 0 sends until rank 0 closes
+        return 0
     ctx = ServerContext(
         tokenizer,
         model_id=path.name,

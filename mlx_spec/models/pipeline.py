@@ -39,14 +39,20 @@ def shared_seed(group, seed: Optional[int]) -> int:
     return from_rank0(group, mine)
 
 
+def broadcast_bytes(group, data: Optional[bytes]) -> bytes:
+    """Rank 0's ``data`` on every rank (the others pass None)."""
+    mine = data if group.rank() == 0 else b""
+    size = int(mx.distributed.all_sum(mx.array(len(mine)), group=group).item())
+    buffer = mx.array(list(mine), mx.uint8) if mine else mx.zeros((size,), mx.uint8)
+    return bytes(mx.distributed.all_sum(buffer, group=group).tolist())
+
+
 def broadcast_text(group, text: Optional[str]) -> Optional[str]:
     """Rank 0's ``text`` on every rank (None stays None: the end of input)."""
-    mine = (
-        b"" if group.rank() != 0 else (b"\0" if text is None else b"\1" + text.encode())
-    )
-    size = int(mx.distributed.all_sum(mx.array(len(mine)), group=group).item())
-    data = mx.array(list(mine), mx.uint8) if mine else mx.zeros((size,), mx.uint8)
-    data = bytes(mx.distributed.all_sum(data, group=group).tolist())
+    data = None
+    if group.rank() == 0:
+        data = b"\0" if text is None else b"\1" + text.encode()
+    data = broadcast_bytes(group, data)
     return None if data[:1] == b"\0" else data[1:].decode()
 
 

@@ -15,9 +15,11 @@ ends its generation after the current pass.
 """
 
 import logging
+import pickle
 import queue
 import threading
 import time
+from dataclasses import asdict
 from typing import Dict, List, Optional, Union
 
 import mlx.core as mx
@@ -31,7 +33,8 @@ from ..core.stats import SpecStats
 from ..drafters import make_drafter
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..generate import check_options
-from .events import Finished, Job, Started, TextRouter, Token
+from ..models.pipeline import broadcast_bytes
+from .events import Finished, GenerationParams, Job, Started, TextRouter, Token
 from .state_cache import StateCache
 
 log = logging.getLogger("mlx_spec.server")
@@ -138,7 +141,11 @@ class Engine:
 
     def close(self):
         self._jobs.put(None)
-        self._worker.join(timeout=60)
+        self.join(timeout=60)
+
+    def join(self, timeout=None):
+        """Wait for the worker to end (after :meth:`close`, or rank 0's)."""
+        self._worker.join(timeout=timeout)
 
     @property
     def healthy(self) -> bool:
@@ -161,18 +168,26 @@ class Engine:
             self.model, self.batch_size, MAX_DRAFT_TOKENS, self.rollback
         )
 
+    def _incoming(self, free: int) -> List[Job]:
+        """The jobs to admit before the next pass (at most ``free``); waits
+        for one only when nothing is decoding. Sees the closing request."""
+        jobs = []
+        while len(jobs) < free and not self._closing:
+            try:
+                job = self._jobs.get(block=not (self._live or jobs))
+            except queue.Empty:
+                break
+            if job is None:
+                self._closing = True
+            elif not job.cancelled:
+                jobs.append(job)
+        return jobs
+
     def _work(self):
         batch = self._new_batch()
         while not (self._closing and not self._live):
-            while batch.free and not self._closing:
-                try:  # wait for work only when there is nothing to decode
-                    job = self._jobs.get(block=not self._live)
-                except queue.Empty:
-                    break
-                if job is None:
-                    self._closing = True
-                elif not job.cancelled:
-                    self._admit(batch, job)
+            for job in self._incoming(batch.free):
+                self._admit(batch, job)
             if self._live:
                 try:
                     self._step(batch)
@@ -252,3 +267,38 @@ class Engine:
             del self._live[id]
             self.states.insert(capture(decoder))
             output.finish(decoder.stats)
+
+
+class _Discard:
+    def put(self, item):
+        pass
+
+
+class PipelineEngine(Engine):
+    """The engine of one rank of a pipeline: every rank decodes the same jobs
+    in the same order. Rank 0 (the HTTP side) decides what each iteration
+    admits and cancels and sends that to the others; the rest of the engine
+    is deterministic, so the ranks stay in lock-step."""
+
+    def __init__(self, *args, group, **kwargs):
+        self.group = group
+        super().__init__(*args, **kwargs)
+
+    def _incoming(self, free: int) -> List[Job]:
+        if self.group.rank() == 0:
+            jobs = super()._incoming(free)
+            plan = {
+                "jobs": [(j.prompt, asdict(j.params), j.initial_state) for j in jobs],
+                "cancel": [i for i, o in self._live.items() if o.job.cancelled],
+                "close": self._closing,
+            }
+            broadcast_bytes(self.group, pickle.dumps(plan))
+            return jobs
+        plan = pickle.loads(broadcast_bytes(self.group, None))
+        for i in plan["cancel"]:
+            self._live[i].job.cancel()
+        self._closing = plan["close"]
+        jobs = [Job(p, GenerationParams(**params), s) for p, params, s in plan["jobs"]]
+        for job in jobs:
+            job.events = _Discard()  # rank 0 answers the client
+        return jobs

@@ -27,6 +27,18 @@ def _answers(port: int) -> bool:
         return False
 
 
+def wait_until_answers(port: int, proc: subprocess.Popen, timeout: float = 120.0):
+    """Poll ``/health`` on 127.0.0.1:``port`` until it answers; an error if
+    ``proc`` exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not _answers(port):
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.args}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"server did not answer within {timeout} s: {proc.args}")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def running_server(
     argv: List[str], port: int, timeout: float = 120.0, log: Optional[str] = None
@@ -39,13 +51,7 @@ def running_server(
         argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ)
     )
     try:
-        deadline = time.monotonic() + timeout
-        while not _answers(port):
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {argv}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server did not answer within {timeout} s: {argv}")
-            time.sleep(0.1)
+        wait_until_answers(port, proc, timeout)
         yield proc
     finally:
         proc.terminate()
