@@ -183,8 +183,10 @@ def test_pipeline_chat_equals_single_process_chat(checkpoints):
     )
     ours = [l for l in out.splitlines() if not l.startswith("\x1b[")]
 
-    def replies(lines):  # the timing in /stats differs from run to run
-        return [l for l in lines if "tokens/s" not in l]
+    def replies(lines):  # /stats: timings and auto's draft lengths vary by run
+        return [
+            l for l in lines if "tokens/s" not in l and "per draft position" not in l
+        ]
 
     assert replies(ours) == replies(single.stdout.decode(errors="replace").splitlines())
 

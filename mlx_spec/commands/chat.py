@@ -27,12 +27,14 @@ from ..core.stats import SpecStats
 from ..drafters import default_draft, make_drafter
 from ..generate import check_options
 from ..mlx_lm_compat import chat_arg_parser
-from ..models.pipeline import broadcast_text, shared_seed
+from ..models.pipeline import broadcast_text
 from .common import (
     CommandError,
+    add_pipeline_flag,
     add_speculation_flags,
     bad_input,
     command,
+    join_pipeline,
     load_model,
     refuse_unsupported,
     sampler_from_flags,
@@ -178,6 +180,7 @@ def setup_parser():
         chat_arg_parser(), PROG, "Chat with speculative decoding."
     )
     parser.add_argument("--top-k", type=int, default=0, help="Sampling top-k")
+    add_pipeline_flag(parser, "reads the lines and prints")
     parser.add_argument(
         "--prompt-cache-file",
         help="Load the session from this file if it exists, and save it to "
@@ -247,13 +250,9 @@ def main(argv=None):
         refuse_unsupported(args, _UNSUPPORTED)
         if cache_file:
             check_writable(cache_file)
-    group = None
-    if args.pipeline:
-        if cache_file:
-            raise CommandError("--prompt-cache-file is not supported with --pipeline")
-        group = mx.distributed.init()
-        args.seed = shared_seed(group, args.seed)
-    mx.random.seed(args.seed)
+    if args.pipeline and cache_file:
+        raise CommandError("--prompt-cache-file is not supported with --pipeline")
+    group = join_pipeline(args)
     model_path, model, tokenizer = load_model(
         args.model,
         mtp_path=args.mtp_path,

@@ -9,6 +9,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import mlx.core as mx
 from safetensors import SafetensorError, safe_open
 
 from ..core.sampling import make_sampler
@@ -18,6 +19,7 @@ from ..drafters import DRAFTS
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..loading import load
 from ..models.mtp import SIDECAR_NAME
+from ..models.pipeline import shared_seed
 
 BAD_INPUT = 2  # exit status, as argparse uses for bad flags
 
@@ -66,6 +68,30 @@ def add_draft_options(parser: argparse.ArgumentParser):
         "(default): chosen each pass from the measured verify cost and the "
         "acceptance so far, 0 while speculation does not pay."
     )
+
+
+def add_pipeline_flag(parser: argparse.ArgumentParser, rank0_does: str):
+    """``--pipeline``; mlx-lm's own flag (chat) is kept."""
+    if not any(a.dest == "pipeline" for a in parser._actions):
+        parser.add_argument("--pipeline", action="store_true")
+    flag = next(a for a in parser._actions if a.dest == "pipeline")
+    flag.help = (
+        "Split the model across the processes of an mx.distributed group "
+        f"(start them with mlx.launch); rank 0 {rank0_does}."
+    )
+
+
+def join_pipeline(args):
+    """The pipeline group of ``--pipeline`` (None without it), and the random
+    seed every rank then shares (``args.seed``, or rank 0's choice), set."""
+    if not getattr(args, "pipeline", False):
+        if getattr(args, "seed", None) is not None:
+            mx.random.seed(args.seed)
+        return None
+    group = mx.distributed.init()
+    args.seed = shared_seed(group, getattr(args, "seed", None))
+    mx.random.seed(args.seed)
+    return group
 
 
 def add_speculation_flags(parser: argparse.ArgumentParser, prog: str, about: str):

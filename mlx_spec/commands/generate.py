@@ -3,17 +3,17 @@
 import sys
 from contextlib import contextmanager
 
-import mlx.core as mx
 
 from ..core.decode import SpeculativeDecoder
 from ..generate import generate
 from ..mlx_lm_compat import generate_arg_parser
-from ..models.pipeline import shared_seed
 from .common import (
     CommandError,
+    add_pipeline_flag,
     add_speculation_flags,
     bad_input,
     command,
+    join_pipeline,
     load_model,
     one_line,
     refuse_unsupported,
@@ -30,12 +30,7 @@ def setup_parser():
         "mlx_spec generate",
         "Speculative generation with drafts from the model's MTP head or n-gram lookup.",
     )
-    parser.add_argument(
-        "--pipeline",
-        action="store_true",
-        help="Split the model across the processes of an mx.distributed group "
-        "(start them with mlx.launch); rank 0 prints.",
-    )
+    add_pipeline_flag(parser, "prints")
     # The demo model was trained on Python code.
     parser.set_defaults(prompt="import os\nimport sys\n\n\ndef main(argv):\n    ")
     return parser
@@ -58,11 +53,7 @@ def _pipeline_errors(group):
 def main(argv=None):
     args = setup_parser().parse_args(argv)
     refuse_unsupported(args, _UNSUPPORTED)
-    group = mx.distributed.init() if args.pipeline else None
-    if group is not None:  # every rank samples alike
-        args.seed = shared_seed(group, args.seed)
-    if args.seed is not None:
-        mx.random.seed(args.seed)
+    group = join_pipeline(args)
     _, model, tokenizer = load_model(
         args.model, mtp_path=args.mtp_path, pipeline_group=group
     )

@@ -13,18 +13,18 @@ import logging
 import signal
 import threading
 
-import mlx.core as mx
 
 from ..drafters import default_draft
-from ..models.pipeline import shared_seed
 from ..server.engine import Engine, PipelineEngine
 from ..server.http import make_server
 from ..server.requests import ServerContext
 from .common import (
     CommandError,
     add_draft_options,
+    add_pipeline_flag,
     bad_input,
     command,
+    join_pipeline,
     load_model,
 )
 
@@ -83,12 +83,7 @@ def setup_parser():
         help="Most requests verified together in one batched pass (default: 4).",
     )
     p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument(
-        "--pipeline",
-        action="store_true",
-        help="Split the model across the processes of an mx.distributed group "
-        "(start them with mlx.launch); rank 0 serves HTTP.",
-    )
+    add_pipeline_flag(p, "serves HTTP")
     p.add_argument(
         "--log-level",
         default="INFO",
@@ -118,9 +113,7 @@ def main(argv=None):
     )
     if not isinstance(args.chat_template_args, dict):
         raise CommandError("--chat-template-args must be a JSON object")
-    group = mx.distributed.init() if args.pipeline else None
-    if group is not None:  # every rank samples alike
-        mx.random.seed(shared_seed(group, None))
+    group = join_pipeline(args)
     path, model, tokenizer = load_model(
         args.model, mtp_path=args.mtp_path, pipeline_group=group
     )
