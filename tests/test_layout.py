@@ -117,3 +117,16 @@ def test_no_module_over_400_lines():
         if (n := len(path.read_text().splitlines())) > 400
     }
     assert long == {}
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject's explicit package list (needed to install metal_kernels/ as
+    mlx_spec.kernels) names every folder of modules."""
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"(mlx_spec[\w.]*)"', text.split("[tool.setuptools]")[1]))
+    folders = {name.rpartition(".")[0] for name, (_, pkg) in MODULES.items() if not pkg}
+    packages = {name for name, (_, is_package) in MODULES.items() if is_package}
+    assert folders <= packages, sorted(folders - packages)  # each has an __init__.py
+    assert packages <= listed, sorted(packages - listed)

@@ -1,0 +1,5 @@
+"""``mlx_spec server``'s parts: the HTTP front (``http.py``), request checking
+(``requests.py``), OpenAI's and Anthropic's response shapes (``openai.py``,
+``anthropic.py``), the batching generation worker (``engine.py``, with the
+jobs and events of ``events.py``) and the kept conversation states
+(``state_cache.py``). See docs/serving.md."""
