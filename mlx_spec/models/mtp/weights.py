@@ -117,7 +117,7 @@ def model_metadata(model_type: str, args) -> Dict[str, str]:
         "mlx_spec.model_type": str(model_type),
         "mlx_spec.hidden_size": str(args.hidden_size),
         "mlx_spec.vocab_size": str(args.vocab_size),
-        "mlx_spec.models.fingerprint": config_fingerprint(model_type, args),
+        "mlx_spec.fingerprint": config_fingerprint(model_type, args),
     }
 
 
