@@ -1,13 +1,18 @@
 """Shared fixtures: tiny raw checkpoints of every supported family, built by code."""
 
 import os
+import shutil
 
+import mlx.core as mx
 import mlx_lm
 import pytest
+from mlx_lm.utils import save_config, save_model
 
 import mlx_spec
+from mlx_spec.commands.convert import main as convert_main
 from mlx_spec.kernels import switch as kernels
 from mlx_spec.testing.checkpoints import FAMILIES, write_tiny_checkpoint
+from mlx_spec.testing.mtp_heads import write_predictive_checkpoint
 from mlx_spec.testing.reference import register_twin
 
 
@@ -70,3 +75,48 @@ def predictive_model(tmp_path_factory):
 
     path = write_predictive_checkpoint(tmp_path_factory.mktemp("pred"), "qwen3_next")
     return mlx_spec.load(path)[0]
+
+
+def _save_mlx_dir(raw, out):
+    """An mlx-community style directory: mlx-lm's own format, no mtp.* tensors."""
+    model, _, config = mlx_lm.load(str(raw), return_config=True)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(raw / f, out / f)
+    return out
+
+
+@pytest.fixture(scope="session")
+def save_mlx_dir():
+    """Write an mlx-community style copy of a raw checkpoint (no mtp.*)."""
+    return _save_mlx_dir
+
+
+@pytest.fixture(scope="session")
+def converted_dirs(tmp_path_factory):
+    """family -> (raw dir, MLX dir + float32 sidecar written by mlx_spec convert)."""
+    root = tmp_path_factory.mktemp("convert")
+    out = {}
+    for fam in FAMILIES:
+        raw = write_predictive_checkpoint(root / f"{fam}_raw", fam)
+        mlx = _save_mlx_dir(raw, root / f"{fam}_mlx")
+        assert not any(
+            k.startswith("mtp.") for k in mx.load(str(mlx / "model.safetensors"))
+        )
+        assert (
+            convert_main(
+                [
+                    "--hf-path",
+                    str(raw),
+                    "--mlx-path",
+                    str(mlx),
+                    "--mtp-dtype",
+                    "float32",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
+        out[fam] = raw, mlx
+    return out

@@ -108,3 +108,13 @@ def write_cycle_checkpoint(
     w["lm_head.weight"] = head.astype(np.float32)
     save_file(w, str(file), metadata={"format": "pt"})
     return out
+
+
+def sidecar_metadata(model_dir) -> dict:
+    """The safetensors metadata of ``model_dir``'s ``mtp.safetensors``."""
+    from safetensors import safe_open
+
+    with safe_open(
+        str(pathlib.Path(model_dir) / "mtp.safetensors"), framework="numpy"
+    ) as f:
+        return f.metadata()

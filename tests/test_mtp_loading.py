@@ -1,0 +1,158 @@
+"""Loading an MTP head: refusing what does not belong to the model, and
+configs that declare their head or not."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import mlx_spec
+from mlx_spec.commands.convert import convert, main
+from mlx_spec.drafters import make_drafter
+from mlx_spec.models.mtp import MTPUnavailableError, MTPWeightsError
+from mlx_spec.testing.checkpoints import write_tiny_checkpoint
+from mlx_spec.testing.mtp_heads import sidecar_metadata, write_predictive_checkpoint
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "bad", "qwen3_5_moe")
+    w = load_file(str(path / "model.safetensors"))
+    name = "mtp.layers.0.self_attn.q_proj.weight"
+    w[name] = w[name][:-8]
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(MTPWeightsError, match=name.replace(".", r"\.")):
+        mlx_spec.load(path)
+    with pytest.raises(MTPWeightsError, match="q_proj"):
+        convert(path, tmp_path / "out")
+
+
+def test_sidecar_of_another_model_names_the_file(
+    converted_dirs, tmp_path, save_mlx_dir
+):
+    _, donor = converted_dirs["qwen3_next"]
+    for fam, overrides in (("qwen3_5_moe", {}), ("qwen3_next", {"vocab_size": 640})):
+        raw = write_tiny_checkpoint(tmp_path / f"{fam}_raw", fam, **overrides)
+        mlx = save_mlx_dir(raw, tmp_path / f"{fam}_mlx")
+        shutil.copy(donor / "mtp.safetensors", mlx / "mtp.safetensors")
+        with pytest.raises(MTPWeightsError, match=str(mlx / "mtp.safetensors")):
+            mlx_spec.load(mlx)
+        with pytest.raises(MTPWeightsError, match="another model"):
+            mlx_spec.load(raw, mtp_path=donor / "mtp.safetensors")
+        # Converting a raw checkpoint into another model's MLX dir is refused too.
+        with pytest.raises(MTPWeightsError, match="is not the model"):
+            convert(converted_dirs["qwen3_next"][0], mlx)
+
+
+def test_sidecar_of_another_model_with_the_same_config_is_refused(
+    converted_dirs, tmp_path, save_mlx_dir
+):
+    """Same config, other weights (another seed): the weight signature tells."""
+    raw0, mlx0 = converted_dirs["qwen3_next"]
+    raw1 = write_predictive_checkpoint(tmp_path / "seed1_raw", "qwen3_next", seed=1)
+    mlx1 = save_mlx_dir(raw1, tmp_path / "seed1_mlx")
+    assert main(["--hf-path", str(raw1), "--mlx-path", str(mlx1), "--no-progress"]) == 0
+    assert (
+        sidecar_metadata(mlx1)["mlx_spec.fingerprint"]
+        == sidecar_metadata(mlx0)["mlx_spec.fingerprint"]
+    )  # the configs agree
+    other = mlx1 / "mtp.safetensors"
+    for target in (mlx0, raw0):
+        with pytest.raises(MTPWeightsError, match=f"{other}.*another model's"):
+            mlx_spec.load(target, mtp_path=other)
+    assert mlx_spec.load(mlx1)[0].mtp_head is not None  # its own model takes it
+
+
+def test_sidecar_without_weight_signature_is_refused(converted_dirs, tmp_path):
+    _, mlx = converted_dirs["qwen3_5"]
+    weights, meta = mx.load(str(mlx / "mtp.safetensors"), return_metadata=True)
+    del meta["mlx_spec.weights"]
+    old = tmp_path / "old.safetensors"
+    mx.save_safetensors(str(old), weights, metadata=meta)
+    with pytest.raises(MTPWeightsError, match="older mlx_spec convert"):
+        mlx_spec.load(mlx, mtp_path=old)
+
+
+def test_missing_mtp_path_names_the_path(converted_dirs, tmp_path):
+    raw, _ = converted_dirs["qwen3_5"]
+    missing = tmp_path / "nowhere" / "mtp.safetensors"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        mlx_spec.load(raw, mtp_path=missing)
+
+
+def test_not_a_sidecar(converted_dirs):
+    raw, mlx = converted_dirs["qwen3_5"]
+    with pytest.raises(MTPWeightsError, match="not an MTP sidecar"):
+        mlx_spec.load(mlx, mtp_path=mlx / "model.safetensors")
+
+
+def test_dir_without_mtp_weights_says_what_to_run(tmp_path, capsys, save_mlx_dir):
+    raw = write_tiny_checkpoint(tmp_path / "raw", "qwen3_5")
+    mlx = save_mlx_dir(raw, tmp_path / "mlx")
+    model, _ = mlx_spec.load(mlx)  # loading works; only MTP drafting fails
+    assert model.mtp_head is None
+    for draft in ("mtp", "mtp+ngram"):
+        with pytest.raises(
+            MTPUnavailableError, match=f"mlx_spec convert --hf-path .* --mlx-path {mlx}"
+        ):
+            make_drafter(draft, model)
+    assert main(["--hf-path", str(mlx), "--mlx-path", str(mlx)]) == 2
+    assert "no MTP weights" in capsys.readouterr().err
+
+
+def test_mlx_shard_with_unmarked_mtp_is_refused(tmp_path, save_mlx_dir):
+    raw = write_tiny_checkpoint(tmp_path / "raw", "qwen3_5")
+    mlx = save_mlx_dir(raw, tmp_path / "mlx")
+    w = dict(mx.load(str(mlx / "model.safetensors")))
+    w.update(
+        {
+            k: v
+            for k, v in mx.load(str(raw / "model.safetensors")).items()
+            if k.startswith("mtp.")
+        }
+    )
+    mx.save_safetensors(str(mlx / "model.safetensors"), w, metadata={"format": "mlx"})
+    index = json.loads((mlx / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(
+        {k: "model.safetensors" for k in w if k.startswith("mtp.")}
+    )
+    (mlx / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        MTPWeightsError, match="cannot tell whether its norms were shifted"
+    ):
+        mlx_spec.load(mlx)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_config_mtp_num_hidden_layers_with_or_without(tmp_path, family):
+    """Configs may declare the head (as released ones do) or not (the
+    checkpoint's mtp.* tensors decide): 1 or absent loads it, 0 means none,
+    more than one is refused naming the file."""
+    raw = write_tiny_checkpoint(tmp_path / "raw", family)
+    config_file = raw / "config.json"
+    config = json.loads(config_file.read_text())
+    text = config.get("text_config", config)
+
+    def load_with(value):
+        if value is None:
+            text.pop("mtp_num_hidden_layers", None)
+        else:
+            text["mtp_num_hidden_layers"] = value
+        config_file.write_text(json.dumps(config))
+        return mlx_spec.load(raw)[0]
+
+    assert load_with(None).mtp_head is not None
+    assert load_with(1).mtp_head is not None
+    model = load_with(0)
+    assert model.mtp_head is None and "mtp_num_hidden_layers=0" in model.mtp_missing
+    with pytest.raises(MTPWeightsError, match="config.json: mtp_num_hidden_layers=2"):
+        load_with(2)
+
+
+def test_demo_config_declares_its_head():
+    from mlx_spec.demo import default_model_path
+
+    config = json.loads((default_model_path() / "config.json").read_text())
+    assert config["mtp_num_hidden_layers"] == 1
+    assert mlx_spec.load(default_model_path())[0].mtp_head is not None
