@@ -8,6 +8,9 @@ are appended and removed when they join and leave, so no pass computes an
 empty slot). Each :meth:`step`:
 
 1. every active row drafts with its own drafter and draft length (0 allowed);
+   the rows drafting with the model's MTP head run its steps together
+   (:class:`~mlx_spec.core.batch_mtp.MTPBatch`: one ``[B, 1]`` forward per
+   step), each getting the draft its drafter computes alone;
 2. the target runs once over ``[B, T]`` tokens, ``T = 1 + the longest draft``;
    shorter rows are padded at the end and masked (attention: each row sees
    only its own positions; GDN: padded tokens leave the state unchanged);
@@ -26,111 +29,14 @@ import mlx.core as mx
 
 from ..models.gdn import make_verifiable
 from ..models.pipeline import pipeline_group
+from .batch_mtp import MTPBatch, head_drafter
 from .decode import SpeculativeDecoder
 from .policy import DraftLengthPolicy, verify_cost_profile
+from .ragged_cache import RaggedKVCache
 from .sampling import make_draft_sampler, make_sampler
 from .state import GDNSlotCache
 from .target import Target
 from .verify import verify_draft
-
-
-class RaggedKVCache:
-    """The attention cache of a batch whose rows hold different numbers of
-    tokens: row ``b`` occupies positions ``[0, offsets[b])`` of ``[B, H, L, D]``
-    buffers; a pass writes each row's ``T`` new positions after its own."""
-
-    step = 256
-
-    def __init__(self):
-        self.keys = self.values = None
-        self.offsets: List[int] = []
-
-    @property
-    def offset(self) -> mx.array:
-        return mx.array(self.offsets)  # per-row rope positions
-
-    def _buffers(self, rows: int, capacity: int, like: mx.array):
-        B, H, _, D = like.shape
-        return (mx.zeros((rows, H, capacity, D), like.dtype) for _ in range(2))
-
-    def _reserve(self, length: int, like: mx.array):
-        if self.keys is not None and length <= self.keys.shape[2]:
-            return
-        cap = (length + self.step - 1) // self.step * self.step
-        rows = len(self.offsets) if self.keys is None else self.keys.shape[0]
-        keys, values = self._buffers(rows, cap, like)
-        if self.keys is not None:
-            n = self.keys.shape[2]
-            keys[..., :n, :], values[..., :n, :] = self.keys, self.values
-        self.keys, self.values = keys, values
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        # keys, values: [B, H, T, D] -> the buffers up to the longest row
-        T = keys.shape[2]
-        end = max(self.offsets) + T
-        self._reserve(end, keys)
-        for b, o in enumerate(self.offsets):
-            self.keys[b : b + 1, :, o : o + T, :] = keys[b : b + 1]
-            self.values[b : b + 1, :, o : o + T, :] = values[b : b + 1]
-        self.offsets = [o + T for o in self.offsets]
-        return self.keys[..., :end, :], self.values[..., :end, :]
-
-    def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        """[B, 1, N, L]: query t of row b sees positions ``<= offsets[b] + t``
-        (rows at the same offset: mlx-lm's own causal mask, as one sequence)."""
-        if len(set(self.offsets)) == 1 and not return_array:
-            return "causal" if N > 1 else None
-        offsets = mx.array(self.offsets)[:, None, None, None]
-        query = mx.arange(N)[None, None, :, None]
-        key = mx.arange(max(self.offsets) + N)[None, None, None, :]
-        return key <= offsets + query
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim_rows(self, counts: List[int]):
-        self.offsets = [o - c for o, c in zip(self.offsets, counts)]
-
-    def append_row(self, cache):
-        """Append one sequence's ``KVCache`` as the last row."""
-        n = cache.offset
-        if n == 0 and self.keys is None:
-            self.offsets.append(n)
-            return  # shapes unknown until the first pass
-        like = cache.keys if n else self.keys
-        if self.keys is not None:
-            self._reserve(n, self.keys)  # room for the new row's tokens
-        cap = max(n, 0 if self.keys is None else self.keys.shape[2])
-        cap = (cap + self.step - 1) // self.step * self.step
-        self.offsets.append(n)
-        keys, values = self._buffers(1, cap, like)
-        if n:
-            keys[..., :n, :] = cache.keys[..., :n, :]
-            values[..., :n, :] = cache.values[..., :n, :]
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = mx.concatenate([self.keys, keys])
-            self.values = mx.concatenate([self.values, values])
-
-    def remove_row(self, b: int):
-        self.offsets.pop(b)
-        if not self.offsets:
-            self.keys = self.values = None
-        elif self.keys is not None:
-            keep = mx.array([i for i in range(self.keys.shape[0]) if i != b], mx.int32)
-            self.keys, self.values = self.keys[keep], self.values[keep]
-
-    def row(self, b: int):
-        """Row ``b``'s keys and values [1, H, offset, D] (None: empty)."""
-        o = self.offsets[b]
-        if self.keys is None or o == 0:
-            return None, None
-        return self.keys[b : b + 1, :, :o, :], self.values[b : b + 1, :, :o, :]
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
 def _append_gdn_row(mine: GDNSlotCache, theirs, rows_before: int):
@@ -188,6 +94,7 @@ class BatchDecoder:
             self.caches.append(c)
         self.target = Target(model, self)
         self.rows: List[_Row] = []  # the batch's rows, in cache order
+        self.heads: Optional[MTPBatch] = None  # the rows' MTP heads, run together
         self._next_id = 0
 
     @property
@@ -225,6 +132,7 @@ class BatchDecoder:
                 mine.append_row(theirs)
             else:
                 _append_gdn_row(mine, theirs, len(self.rows))
+        self._join_head(decoder.drafter)
         sampler = sampler or make_sampler(0.0)
         if decoder.drafter is not None:
             history = list(decoder.history)
@@ -247,6 +155,9 @@ class BatchDecoder:
         caches hold exactly what it decoded."""
         b = self._index(id)
         decoder = self.rows.pop(b).decoder
+        mtp = head_drafter(decoder.drafter)
+        if self.heads is not None and mtp in self.heads:
+            self.heads.leave(mtp)
         for mine, theirs in zip(self.caches, decoder.cache.caches):
             if isinstance(mine, RaggedKVCache):
                 keys, values = mine.row(b)
@@ -260,6 +171,17 @@ class BatchDecoder:
                 _remove_gdn_row(mine, b)
         return decoder
 
+    def _join_head(self, drafter):
+        """The batch runs the drafter's MTP head with the other rows' (a head
+        that is not the model's drafts alone)."""
+        mtp = head_drafter(drafter)
+        if mtp is None:
+            return
+        if self.heads is None:
+            self.heads = MTPBatch(mtp.head)
+        if mtp.head is self.heads.head:
+            self.heads.join(mtp)
+
     def finish(self, id: int):
         """Stop sequence ``id`` (a client went away, a stop word): it stays
         until taken, and no longer decodes."""
@@ -272,9 +194,12 @@ class BatchDecoder:
         active = [b for b, r in enumerate(self.rows) if not r.done]
         if not active:
             return {}
+        ks = {b: self._draft_length(self.rows[b]) for b in active}
+        head_seconds = self._draft_heads(ks)
         drafts, seconds = {}, {}
         for b in active:
-            drafts[b], seconds[b] = self._draft(self.rows[b])
+            drafts[b], seconds[b] = self._draft(self.rows[b], ks[b])
+            seconds[b] += head_seconds.get(b, 0.0)
         T = 1 + max(len(d) for d in drafts.values())
         B = len(self.rows)
         tokens, lengths = [[0] * T for _ in range(B)], [0] * B
@@ -306,15 +231,43 @@ class BatchDecoder:
             c.lengths = None
         return out
 
-    def _draft(self, row: _Row) -> Tuple[List[int], float]:
-        """The row's draft and the seconds drafting took (deferred drafter
-        work excluded, as for one sequence)."""
-        d = row.decoder
+    def _draft_length(self, row: _Row) -> int:
         room = min(row.max_draft, row.remaining - 1)
         k = row.policy.choose(room) if row.policy else room
-        if k <= 0 or d.drafter is None:
+        return k if row.decoder.drafter is not None else 0
+
+    def _draft_heads(self, ks: Dict[int, int]) -> Dict[int, float]:
+        """Catch up and draft the rows whose drafts come from the batch's MTP
+        head, all at once (their drafters then return these drafts); each
+        such row's share of the seconds drafting took."""
+        if self.heads is None:
+            return {}
+        index = {id(m): i for i, m in enumerate(self.heads.members)}
+        rows = {}  # row -> member index, for rows drafting this pass
+        for b, k in ks.items():
+            mtp = head_drafter(self.rows[b].decoder.drafter)
+            if k > 0 and id(mtp) in index:
+                rows[b] = index[id(mtp)]
+        self.heads.catch_up([self.heads.members[i] for i in rows.values()])
+        tic = time.perf_counter()
+        wants = {
+            i: ks[b]
+            for b, i in rows.items()
+            if self.rows[b].decoder.drafter.drafts_with_head(ks[b])
+        }
+        if wants:
+            self.heads.draft(wants)
+        share = (time.perf_counter() - tic) / max(len(rows), 1)
+        return {b: share for b in rows}
+
+    def _draft(self, row: _Row, k: int) -> Tuple[List[int], float]:
+        """The row's draft of up to ``k`` tokens and the seconds drafting took
+        (deferred drafter work excluded, as for one sequence)."""
+        d = row.decoder
+        if k <= 0:
             return [], 0.0
-        d.drafter.catch_up()
+        if head_drafter(d.drafter) not in (self.heads or ()):
+            d.drafter.catch_up()
         tic = time.perf_counter()
         return d.drafter.draft(k), time.perf_counter() - tic
 

@@ -94,9 +94,23 @@ class MTPNgramDrafter(Drafter):
             return True
         return int(mx.argmax(logits).item()) == copy[0]
 
-    def _adaptive(self, copy: List[int], k: int) -> List[int]:
+    def drafts_with_head(self, k: int) -> bool:
+        """Whether ``draft(k)`` runs the head."""
+        return self._needs_head(self.ngram.draft(k))
+
+    def _needs_head(self, copy: List[int]) -> bool:
+        """Without a copy: when the head has a row. With one: when learning
+        the choice (both are drafted), or when the copy is not preferred."""
+        has_row = self.mtp.next_logits() is not None
+        if not copy or (has_row and self._learns()):
+            return has_row
+        return not self.prefer_copy(copy)
+
+    def _learns(self) -> bool:
+        return self.learns_choice and self.mtp.choose is None  # not sampling
+
+    def _pick(self, copy: List[int], ours: List[int]) -> List[int]:
         """Both drafts; at their first difference, the source with the better record."""
-        ours = self.mtp.draft(k)
         j = next((i for i, (a, b) in enumerate(zip(copy, ours)) if a != b), None)
         if j is None:
             return ours
@@ -111,14 +125,11 @@ class MTPNgramDrafter(Drafter):
         self.mtp.check_draft_length(k)
         self._divergence = None
         copy = self.ngram.draft(k)
-        sampling = self.mtp.choose is not None
-        learn = self.learns_choice and not sampling
-        if copy and learn and self.mtp.next_logits() is not None:
-            out = self._adaptive(copy, k)
-        elif copy and self.prefer_copy(copy):
+        if not self._needs_head(copy):
             out = copy
         else:
-            out = self.mtp.draft(k)
+            ours = self.mtp.draft(k)
+            out = self._pick(copy, ours) if copy and self._learns() else ours
         source = "ngram" if out is copy else "mtp"
         self.last_draft_source = source if out else None
         self.steps[source] += bool(out)

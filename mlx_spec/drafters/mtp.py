@@ -52,6 +52,8 @@ class MTPDrafter(Drafter):
         self._pending = []  # accepted (tokens [L], hidden [L, H]) not yet run
         self.choose = None  # sampling: logits, drafted -> (token, q); None: argmax
         self.draft_probs: Optional[mx.array] = None  # [m, V] q of a sampled draft
+        self.pending_limit = PENDING_ROWS  # a batch that runs the rows lifts it
+        self._offered = None  # a draft computed by a batch (see offer)
 
     def check_draft_length(self, k):
         """ValueError unless 1 <= k <= max_draft (one MTP layer, reused per step)."""
@@ -75,10 +77,9 @@ class MTPDrafter(Drafter):
         """Run the head over the accepted rows that are still pending, in one
         batched forward. Rows are deferred so that passes without a draft
         (``auto`` choosing k = 0) cost no head forward at all."""
-        if self._pending:
-            tokens, hidden = zip(*self._pending)
-            self._pending = []
-            self._rows(mx.concatenate(tokens), mx.concatenate(hidden))
+        rows = self.take_pending()
+        if rows is not None:
+            self._rows(*rows)
 
     def catch_up(self):
         """Process (and evaluate) the deferred rows now, so that timing a
@@ -153,6 +154,8 @@ class MTPDrafter(Drafter):
         self.check_draft_length(k)
         if self._draft_rows:
             raise RuntimeError("draft() called twice without accept()")
+        if self._offered is not None:
+            return self._take_offer(k)
         self.draft_probs = None
         self._run_pending()
         if self._logits is None:
@@ -197,5 +200,52 @@ class MTPDrafter(Drafter):
                 f"accept: {hidden.shape[0]} hidden states for {len(emitted)} tokens"
             )
         self._pending.append((mx.array(list(emitted), dtype=mx.uint32), hidden))
-        if sum(t.size for t, _ in self._pending) >= PENDING_ROWS:
+        if self.pending_rows >= self.pending_limit:
             self._run_pending()  # bounds the hidden states held
+
+    # -- drafting in a batch (mlx_spec.core.batch_mtp runs several heads' rows
+    # as one forward; these hand it the row's state and take its results) ----
+    def drafts_with_head(self, k: int) -> bool:
+        """Whether ``draft(k)`` runs the head (no verified row: it drafts nothing)."""
+        return self.next_logits() is not None
+
+    @property
+    def head_state(self):
+        """(hm [1, 1, H], logits [V]) of the last verified row, where the next
+        draft starts; (None, None) before any row."""
+        self._run_pending()
+        return self._hm, self._logits
+
+    @property
+    def pending_rows(self) -> int:
+        """Accepted rows not yet run through the head."""
+        return sum(t.size for t, _ in self._pending)
+
+    def take_pending(self):
+        """The deferred accepted rows, (tokens [L], hidden [L, H]), for a
+        caller that runs the head over them itself and then calls
+        :meth:`set_last_row`; None when there are none."""
+        if not self._pending:
+            return None
+        tokens, hidden = zip(*self._pending)
+        self._pending = []
+        return mx.concatenate(tokens), mx.concatenate(hidden)
+
+    def set_last_row(self, hm: mx.array, logits: mx.array, rows: int):
+        """``rows`` verified rows were run elsewhere; hm [1, 1, H] and logits
+        [V] are the last one's (what ``_rows`` keeps)."""
+        self._hm, self._logits = hm, logits
+        self.verified += rows
+
+    def offer(self, k: int, tokens: List[int], logits: mx.array, probs=None):
+        """The draft ``draft(k)`` would make, computed elsewhere with its
+        draft-time rows already dropped: the next ``draft(k)`` returns it.
+        tokens: [k]; logits: [k, V]; probs: [k, V] when sampled, else None."""
+        self._offered = (k, tokens, logits, probs)
+
+    def _take_offer(self, k: int) -> List[int]:
+        offered, tokens, self.last_draft_logits, self.draft_probs = self._offered
+        self._offered = None
+        if offered != k:
+            raise RuntimeError(f"a draft of {offered} tokens was offered, {k} asked")
+        return tokens

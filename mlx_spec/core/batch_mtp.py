@@ -1,0 +1,159 @@
+"""The MTP heads of a batch's rows, run as one batch.
+
+Each row of a :class:`~mlx_spec.core.batch.BatchDecoder` that drafts with the
+model's MTP head (``mtp``, or ``mtp+ngram``'s head) keeps its own
+:class:`~mlx_spec.drafters.mtp.MTPDrafter`: its token history, sampler, the
+head's last row (hm, logits) and its deferred accepted rows. What moves into
+the :class:`MTPBatch` while the row is in the batch is the head's KV cache:
+one :class:`~mlx_spec.core.ragged_cache.RaggedKVCache` per head layer holds
+every member's rows, at their own offsets. Then:
+
+- :meth:`MTPBatch.catch_up`: the members' deferred rows (``L_b`` each) run as
+  one ``[B, max L_b]`` forward, right-padded; each row keeps its ``L_b``
+  positions, and its last real row gives its next hm and logits.
+- :meth:`MTPBatch.draft`: step 1 of every draft comes from the stored logits;
+  step ``j > 1`` is one ``[B, 1]`` forward for all members (a row drafting
+  fewer steps, or not drafting, rides along and its position is dropped).
+  The draft-time rows are dropped right after drafting (nothing reads them),
+  and each drafter is offered its tokens, logits and q, which its
+  ``draft(k)`` then returns.
+
+Every row sees only its own positions (per-row rope offsets and masks), so
+its tokens are those its own drafter computes alone; bit for bit wherever
+the matmuls give a row the same result whatever the batch (MLX's CPU BLAS).
+A member leaves (:meth:`MTPBatch.leave`) with its rows in its own cache again.
+"""
+
+import math
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+
+from ..drafters.mtp import PENDING_ROWS, MTPDrafter
+from .ragged_cache import RaggedKVCache
+
+
+def head_drafter(drafter) -> Optional[MTPDrafter]:
+    """The :class:`MTPDrafter` in ``drafter`` (itself, or ``mtp+ngram``'s)."""
+    if isinstance(drafter, MTPDrafter):
+        return drafter
+    inner = getattr(drafter, "mtp", None)
+    return inner if isinstance(inner, MTPDrafter) else None
+
+
+class MTPBatch:
+    """The head caches of the member drafters, in member order."""
+
+    def __init__(self, head):
+        self.head = head
+        self.members: List[MTPDrafter] = []
+        self.caches: List[RaggedKVCache] = []
+        self._own: Dict[int, list] = {}  # id(member) -> its cache objects
+
+    def __contains__(self, mtp) -> bool:
+        return any(m is mtp for m in self.members)
+
+    def join(self, mtp: MTPDrafter):
+        """Move ``mtp``'s head cache in; the batch now runs its head."""
+        if not self.caches:
+            self.caches = [RaggedKVCache(c.dtype) for c in mtp.cache]
+        for mine, theirs in zip(self.caches, mtp.cache):
+            mine.append_row(theirs)
+        self._own[id(mtp)], mtp.cache = mtp.cache, None  # misuse fails loudly
+        mtp.pending_limit = math.inf  # catch_up bounds the deferred rows
+        self.members.append(mtp)
+
+    def leave(self, mtp: MTPDrafter):
+        """``mtp`` gets its rows back in its own cache and drafts alone again."""
+        b = next(i for i, m in enumerate(self.members) if m is mtp)
+        own = self._own.pop(id(mtp))
+        for mine, theirs in zip(self.caches, own):
+            keys, values = mine.row(b)
+            theirs.keys = theirs.values = None
+            if keys is not None:
+                theirs.keys, theirs.values = mx.array(keys), mx.array(values)
+            theirs.offset = mine.offsets[b]
+            mine.remove_row(b)
+        self.members.pop(b)
+        mtp.cache, mtp.pending_limit = own, PENDING_ROWS
+
+    def _rows(self, wanted: Dict[int, tuple], L: int):
+        """Run each member's rows (``wanted``: index -> (tokens [L_b], hidden
+        [L_b, H])) as one [B, L] forward; the others ride along with padding.
+        Returns hm [B, L, H]; each member keeps its own L_b positions."""
+        H, dtype = self.head.hidden_size, next(iter(wanted.values()))[1].dtype
+        none = (mx.zeros((0,), mx.uint32), mx.zeros((0, H), dtype))
+        tokens, hidden, lengths = [], [], []
+        for b in range(len(self.members)):
+            t, h = wanted.get(b, none)
+            lengths.append(t.size)
+            tokens.append(mx.pad(t.astype(mx.uint32), (0, L - t.size)))
+            hidden.append(mx.pad(h, ((0, L - t.size), (0, 0))))
+        hm = self.head.head_hidden(mx.stack(tokens), mx.stack(hidden), self.caches)
+        for c in self.caches:
+            c.trim_rows([L - n for n in lengths])
+        return hm
+
+    def catch_up(self, mtps: List[MTPDrafter]):
+        """Run the deferred rows of ``mtps`` (members) in one forward, and
+        evaluate it, so that timing the following draft measures drafting
+        alone. A member with ``PENDING_ROWS`` deferred rows joins in anyway,
+        which bounds what a member holds."""
+        wanted = {}
+        for b, m in enumerate(self.members):
+            if any(m is x for x in mtps) or m.pending_rows >= PENDING_ROWS:
+                rows = m.take_pending()
+                if rows is not None:
+                    wanted[b] = rows
+        if not wanted:
+            return
+        lengths = {b: t.size for b, (t, _) in wanted.items()}
+        hm = self._rows(wanted, max(lengths.values()))  # [B, L, H]
+        index = [lengths.get(b, 1) - 1 for b in range(len(self.members))]
+        last = hm[mx.arange(hm.shape[0]), mx.array(index)][:, None]  # [B, 1, H]
+        logits = self.head.logits(last)  # [B, 1, V]
+        for b, n in lengths.items():
+            self.members[b].set_last_row(last[b : b + 1], logits[b, 0], n)
+        mx.eval(logits, last, [(c.keys, c.values) for c in self.caches])
+
+    def draft(self, wants: Dict[int, int]):
+        """Draft ``k`` tokens for each member index -> k in ``wants`` (caught
+        up, with a head row) and offer them to the members; the head's steps
+        run once per step for all members."""
+        B, K = len(self.members), max(wants.values())
+        states = {b: self.members[b].head_state for b in wants}
+        dtype = next(iter(states.values()))[0].dtype
+        rides = (mx.zeros((1, 1, self.head.hidden_size), dtype), None)
+        states = [states.get(b, rides) for b in range(B)]
+        hm = mx.concatenate([s[0] for s in states])  # [B, 1, H]
+        drafted = {b: [] for b in wants}
+        rows = {b: [] for b in wants}
+        probs = {b: [] for b in wants}
+        logits = None  # [B, V] from step 2 on
+        for step in range(K):
+            if step:
+                hm = self.head.head_hidden(ids[:, None], hm, self.caches)
+                logits = self.head.logits(hm)[:, 0]  # [B, V]
+            ids = []
+            for b in range(B):
+                if b not in wants or step >= wants[b]:
+                    ids.append(mx.array(0, mx.uint32))  # rides along
+                    continue
+                m = self.members[b]
+                row = states[b][1] if logits is None else logits[b]
+                rows[b].append(row)
+                if m.choose is None:
+                    drafted[b].append(mx.argmax(row).astype(mx.uint32))
+                else:
+                    token, q = m.choose(row, drafted[b])
+                    drafted[b].append(token.astype(mx.uint32))
+                    probs[b].append(q)
+                ids.append(drafted[b][-1].reshape(()))
+            ids = mx.stack(ids)
+        for c in self.caches:  # nothing reads the draft-time rows again
+            c.trim_rows([K - 1] * B)
+        out = {b: (mx.stack(drafted[b]), mx.stack(rows[b])) for b in wants}
+        q = {b: mx.stack(p) if p else None for b, p in probs.items()}
+        mx.eval(out, q)
+        for b, (tokens, logits) in out.items():
+            self.members[b].offer(wants[b], tokens.tolist(), logits, q[b])

@@ -1,0 +1,117 @@
+"""An attention cache for a batch whose rows hold different numbers of tokens.
+
+Used by :class:`~mlx_spec.core.batch.BatchDecoder` for the target's attention
+layers and by :class:`~mlx_spec.core.batch_mtp.MTPBatch` for the MTP head's
+one layer. Rows join (:meth:`RaggedKVCache.append_row`, from a single
+sequence's ``KVCache``) and leave (:meth:`RaggedKVCache.row`,
+:meth:`RaggedKVCache.remove_row`) between passes; a pass writes ``T`` new
+positions after every row's own offset, and a row that keeps fewer moves its
+offset back (:meth:`RaggedKVCache.trim_rows`).
+"""
+
+from typing import List, Optional
+
+import mlx.core as mx
+
+
+class RaggedKVCache:
+    """Row ``b`` occupies positions ``[0, offsets[b])`` of ``[B, H, L, D]``
+    buffers; a pass writes each row's ``T`` new positions after its own.
+
+    ``dtype``: the stored dtype (None: the incoming keys'); keys and values
+    come back in the incoming dtype, as from the MTP head's float16 cache."""
+
+    step = 256
+
+    def __init__(self, dtype: Optional[mx.Dtype] = None):
+        self.keys = self.values = None
+        self.offsets: List[int] = []
+        self.dtype = dtype
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array(self.offsets)  # per-row rope positions
+
+    def _buffers(self, rows: int, capacity: int, like: mx.array):
+        B, H, _, D = like.shape
+        dtype = self.dtype or like.dtype
+        return (mx.zeros((rows, H, capacity, D), dtype) for _ in range(2))
+
+    def _reserve(self, length: int, like: mx.array):
+        """Room for ``length`` positions in every present row."""
+        if self.keys is not None and length <= self.keys.shape[2]:
+            return
+        cap = (length + self.step - 1) // self.step * self.step
+        rows = len(self.offsets) if self.keys is None else self.keys.shape[0]
+        keys, values = self._buffers(rows, cap, like)
+        if self.keys is not None:
+            n = self.keys.shape[2]
+            keys[..., :n, :], values[..., :n, :] = self.keys, self.values
+        self.keys, self.values = keys, values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        # keys, values: [B, H, T, D] -> the buffers up to the longest row
+        T, dt = keys.shape[2], keys.dtype
+        end = max(self.offsets) + T
+        self._reserve(end, keys)
+        if self.dtype is not None:
+            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+        for b, o in enumerate(self.offsets):
+            self.keys[b : b + 1, :, o : o + T, :] = keys[b : b + 1]
+            self.values[b : b + 1, :, o : o + T, :] = values[b : b + 1]
+        self.offsets = [o + T for o in self.offsets]
+        k, v = self.keys[..., :end, :], self.values[..., :end, :]
+        if self.dtype is not None:
+            k, v = k.astype(dt), v.astype(dt)
+        return k, v
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        """[B, 1, N, L]: query t of row b sees positions ``<= offsets[b] + t``
+        (rows at the same offset: mlx-lm's own causal mask, as one sequence)."""
+        if len(set(self.offsets)) == 1 and not return_array:
+            return "causal" if N > 1 else None
+        offsets = mx.array(self.offsets)[:, None, None, None]
+        query = mx.arange(N)[None, None, :, None]
+        key = mx.arange(max(self.offsets) + N)[None, None, None, :]
+        return key <= offsets + query
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim_rows(self, counts: List[int]):
+        self.offsets = [o - c for o, c in zip(self.offsets, counts)]
+
+    def append_row(self, cache):
+        """Append one sequence's ``KVCache`` as the last row."""
+        n = cache.offset
+        if n == 0 and self.keys is None:
+            self.offsets.append(n)
+            return  # shapes unknown until a row has tokens
+        like = cache.keys if n else self.keys
+        self._reserve(max(n, 1), like)  # rows so far (empty ones too) get room
+        keys, values = self._buffers(1, self.keys.shape[2], like)
+        if n:
+            keys[..., :n, :] = cache.keys[..., :n, :]
+            values[..., :n, :] = cache.values[..., :n, :]
+        self.keys = mx.concatenate([self.keys, keys])
+        self.values = mx.concatenate([self.values, values])
+        self.offsets.append(n)
+
+    def remove_row(self, b: int):
+        self.offsets.pop(b)
+        if not self.offsets:
+            self.keys = self.values = None
+        elif self.keys is not None:
+            keep = mx.array([i for i in range(self.keys.shape[0]) if i != b], mx.int32)
+            self.keys, self.values = self.keys[keep], self.values[keep]
+
+    def row(self, b: int):
+        """Row ``b``'s keys and values [1, H, offset, D] (None: empty)."""
+        o = self.offsets[b]
+        if self.keys is None or o == 0:
+            return None, None
+        return self.keys[b : b + 1, :, :o, :], self.values[b : b + 1, :, :o, :]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes

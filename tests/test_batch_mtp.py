@@ -1,0 +1,126 @@
+"""The MTP heads of a batch's rows drafted together: every row drafts what its
+own MTPDrafter drafts alone, and leaves with its own head cache again."""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+import mlx_spec
+from mlx_spec.core.batch import BatchDecoder
+from mlx_spec.core.batch_mtp import MTPBatch
+from mlx_spec.core.decode import SpeculativeDecoder
+from mlx_spec.core.sampling import make_sampler
+from mlx_spec.drafters import make_drafter
+from mlx_spec.drafters.mtp import MTPDrafter
+from mlx_spec.testing.mtp_heads import cycle_order, write_cycle_checkpoint
+
+# Context lengths: no head row yet (one token), short, longer than a pass.
+CONTEXTS = (1, 6, 40, 130)
+
+
+def _twins(head, rng):
+    """Two identical drafters per context: one stays alone, one joins."""
+    H = head.hidden_size
+    pairs = []
+    for n in CONTEXTS:
+        prompt = [rng.randrange(256) for _ in range(n)]
+        hidden = mx.random.normal((n - 1, H)) if n > 1 else None
+        pair = (MTPDrafter(head), MTPDrafter(head))
+        for d in pair:
+            d.reset(prompt, hidden)
+        pairs.append(pair)
+    return pairs
+
+
+def _equal(a, b) -> bool:
+    return a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def test_each_row_drafts_what_it_drafts_alone(models, family):
+    model, _ = models[family]
+    head, rng = model.mtp_head, random.Random(0)
+    mx.random.seed(0)
+    pairs = _twins(head, rng)
+    batch = MTPBatch(head)
+    for _, member in pairs:  # the first one joins with an empty cache
+        batch.join(member)
+    for _ in range(8):
+        ks = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in pairs]
+        drafting = [m for (_, m), k in zip(pairs, ks) if k]
+        batch.catch_up(drafting)
+        wants = {
+            i: k for i, k in enumerate(ks) if k and pairs[i][1].drafts_with_head(k)
+        }
+        if wants:
+            batch.draft(wants)
+        for (alone, member), k in zip(pairs, ks):
+            if k:
+                alone.catch_up()
+                draft = alone.draft(k)
+                assert member.draft(k) == draft
+                if draft:
+                    assert _equal(member.last_draft_logits, alone.last_draft_logits)
+            # both are told the same verify outcome (k = 0: a plain step)
+            emitted = draft[: rng.randint(0, len(draft))] if k else []
+            emitted += [rng.randrange(256)]
+            hidden = mx.random.normal((len(emitted), head.hidden_size))
+            alone.accept(emitted, hidden)
+            member.accept(emitted, hidden)
+    for alone, member in pairs:  # each leaves with its own rows, and goes on alone
+        batch.leave(member)
+        assert member.offset == alone.offset
+        assert all(map(_equal, member.state, alone.state))
+        assert member.draft(4) == alone.draft(4)
+    assert batch.members == [] and all(c.keys is None for c in batch.caches)
+
+
+@pytest.fixture(scope="module")
+def cycle_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cycle")
+    return mlx_spec.load(write_cycle_checkpoint(path, "qwen3_next"))[0]
+
+
+def _alone(model, prompt, draft, k, max_tokens):
+    """The tokens and counters of ``prompt`` decoded alone, as a batch row
+    with draft length ``k`` decodes it."""
+    d = SpeculativeDecoder(model, make_drafter(draft, model), max_draft=k)
+    d.feed(prompt)
+    out = []
+    while len(out) < max_tokens:
+        room = min(k, max_tokens - len(out) - 1)
+        emitted, _, _ = d.verify(room, make_sampler(0.0))
+        emitted = emitted[: max_tokens - len(out)]
+        d.commit(emitted)
+        out += emitted
+    return out, (d.stats.drafted, d.stats.accepted, d.stats.verify_passes)
+
+
+def test_batched_heads_draft_each_row_as_alone(cycle_model):
+    """Rows of both MTP drafters, of different contexts and draft lengths:
+    each row's tokens, drafts proposed and accepted equal its run alone."""
+    order = cycle_order()
+    specs = [  # prompt, drafter, k
+        (order[5:6], "mtp", 3),
+        (order[:40] + order[100:110], "mtp+ngram", 5),
+        (order[200:230], "mtp", 2),
+        (order[300:320] + order[300:310], "mtp+ngram", 4),
+    ]
+    batch = BatchDecoder(cycle_model, n_slots=4, max_draft=5)
+    ids, got = [], {}
+    for prompt, draft, k in specs:
+        d = SpeculativeDecoder(cycle_model, make_drafter(draft, cycle_model), 5)
+        d.feed(prompt)
+        ids.append(batch.add(d, 40, num_draft_tokens=k))
+        got[ids[-1]] = []
+    while batch.active:
+        for id, (tokens, _) in batch.step().items():
+            got[id] += tokens
+    assert len(batch.heads.members) == 4
+    for id, (prompt, draft, k) in zip(ids, specs):
+        stats = batch.take(id).stats
+        want, counters = _alone(cycle_model, prompt, draft, k, 40)
+        assert got[id] == want
+        assert (stats.drafted, stats.accepted, stats.verify_passes) == counters
+        assert stats.accepted > 0
+    assert batch.heads.members == []
