@@ -211,3 +211,23 @@ def test_build_is_deterministic(tiny_build, tmp_path):
     b = mx.load(str(work / "target.safetensors"))
     assert a.keys() == b.keys()
     assert all(mx.array_equal(a[k], b[k]) for k in a)
+
+
+def test_stopped_and_resumed_training_equals_one_run(tiny_build, tmp_path):
+    import build_demo as build
+
+    work, _, _ = tiny_build
+    again = tmp_path / "work"
+    build.run("tiny", again, tmp_path / "out", stages=("data",))
+    for stage in ("target", "mtp"):
+        # stop after one step (3 and 2 in all), then run to the end
+        r = build.run("tiny", again, tmp_path / "out", (stage,), stop_after=1)
+        assert r[stage] is None
+        assert json.loads((again / f"{stage}_ckpt.json").read_text())["step"] == 1
+        build.run("tiny", again, tmp_path / "out", (stage,))
+        meta = json.loads((again / f"{stage}_ckpt.json").read_text())
+        assert meta["step"] == get_config("tiny").__dict__[f"{stage}_steps"]
+    for name in ("target.safetensors", "mtp_head.safetensors"):
+        a, b = mx.load(str(again / name)), mx.load(str(work / name))
+        assert a.keys() == b.keys()
+        assert all(mx.array_equal(a[k], b[k]) for k in a), name

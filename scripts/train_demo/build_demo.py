@@ -7,7 +7,8 @@ Stages (``--stages``, default all, in order): ``data`` (stdlib corpus,
 tokenizer, token streams), ``target`` (train the qwen3_next model), ``mtp``
 (train its MTP head on the frozen target), ``export`` (raw Hugging Face
 checkpoint into ``--out``). Each stage reads what the previous ones wrote
-into ``--work``. ``--preset tiny`` is the seconds-long version the tests run.
+into ``--work``. Training stages checkpoint every ``ckpt_every`` steps and
+resume from there when run again (a killed run loses at most that much). ``--preset tiny`` is the seconds-long version the tests run.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ def _override(text: str):
     return key, json.loads(value)
 
 
-def run(preset: str, work: Path, out: Path, stages=STAGES, **overrides) -> dict:
+def run(
+    preset: str, work: Path, out: Path, stages=STAGES, stop_after=None, **overrides
+) -> dict:
     cfg = get_config(preset, **overrides)
     work, out = Path(work), Path(out)
     work.mkdir(parents=True, exist_ok=True)
@@ -61,17 +64,20 @@ def run(preset: str, work: Path, out: Path, stages=STAGES, **overrides) -> dict:
         elif stage == "target":
             from demo_train import train_target
 
-            results["target"] = train_target(cfg, work)[1]
+            results["target"] = train_target(cfg, work, stop_after=stop_after)[1]
         elif stage == "mtp":
             from demo_train import train_mtp
 
-            results["mtp"] = train_mtp(cfg, work)[1]
+            results["mtp"] = train_mtp(cfg, work, stop_after=stop_after)[1]
         elif stage == "export":
             from demo_export import export
 
             results["export"] = export(cfg, work, out)
         else:
             raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
+        if stage in results and results[stage] is None:
+            print(f"[build] {stage} stopped after {stop_after} steps", flush=True)
+            break  # resumable: the same command continues from the checkpoint
         print(f"[build] {stage} done in {time.time() - t0:.1f}s", flush=True)
     return results
 
@@ -90,9 +96,19 @@ def main(argv=None) -> int:
         metavar="FIELD=JSON",
         help="override a config field, e.g. --set target_steps=100",
     )
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="end this run after N training steps of the current stage "
+        "(checkpointed; the same command resumes)",
+    )
     args = p.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
-    results = run(args.preset, args.work, args.out, stages, **dict(args.set))
+    results = run(
+        args.preset, args.work, args.out, stages, args.stop_after, **dict(args.set)
+    )
     print(json.dumps(results, indent=2))
     return 0
 

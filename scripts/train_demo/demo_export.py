@@ -77,7 +77,11 @@ def export_tensors(model, head) -> Dict[str, mx.array]:
 
 
 def _compare(cfg: DemoConfig, work: Path, out: Path, model, head) -> dict:
-    """The exported checkpoint, loaded like a downloaded one, vs the trained model."""
+    """The exported checkpoint, loaded like a downloaded one, vs the trained model.
+
+    Exact (within float32 rounding) for a float32 export; a half-precision one
+    differs by its rounding of the weights, and the agreements say how much.
+    """
     import mlx_spec
 
     held = np.load(work / "eval_tokens.npy")

@@ -25,7 +25,7 @@ import mlx.optimizers as optim
 import numpy as np
 from chunked_gdn import chunked_gdn
 from demo_config import DemoConfig
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 # Output projections: scaled down at init (residual branches).
 _OUT_PROJ = ("o_proj", "out_proj", "down_proj")
@@ -62,23 +62,36 @@ def num_params(module: nn.Module) -> int:
     return sum(v.size for _, v in tree_flatten(module.parameters()))
 
 
-def lr_schedule(peak: float, warmup: int, total: int) -> Callable:
-    warm = optim.linear_schedule(peak * 0.01, peak, max(warmup, 1))
-    decay = optim.cosine_decay(peak, max(total - warmup, 1), end=peak * 0.1)
-    return optim.join_schedules([warm, decay], [max(warmup, 1)])
+def lr_schedule(peak: float, warmup: int, total: int, decay: float) -> Callable:
+    """Warmup, then constant, then a linear decay to peak/10 over the last ``decay`` of ``total``.
+
+    Warmup-stable-decay: a run can be resumed with a larger ``total`` as long as
+    it has not entered the decay yet, so training length is open-ended.
+    """
+    warmup = max(warmup, 1)
+    decay_steps = max(int(total * decay), 1)
+    stable = max(total - decay_steps - warmup, 1)
+    return optim.join_schedules(
+        [
+            optim.linear_schedule(peak * 0.01, peak, warmup),
+            optim.linear_schedule(peak, peak, stable),
+            optim.linear_schedule(peak, peak * 0.1, decay_steps),
+        ],
+        [warmup, warmup + stable],
+    )
 
 
 class Batches:
-    """Random windows of ``length`` tokens from a stream, seeded."""
+    """Random windows of ``length`` tokens from a stream; batch i depends only on (seed, i)."""
 
     def __init__(self, stream: np.ndarray, length: int, batch: int, seed: int):
         if stream.size <= length:
             stream = np.resize(stream, length + 1)  # tiny corpora: wrap around
-        self.stream, self.length, self.batch = stream, length, batch
-        self.rng = np.random.default_rng(seed)
+        self.stream, self.length, self.batch, self.seed = stream, length, batch, seed
 
-    def next(self) -> mx.array:
-        starts = self.rng.integers(0, self.stream.size - self.length, self.batch)
+    def at(self, step: int) -> mx.array:
+        rng = np.random.default_rng([self.seed, step])
+        starts = rng.integers(0, self.stream.size - self.length, self.batch)
         rows = np.stack([self.stream[s : s + self.length] for s in starts])
         return mx.array(rows.astype(np.int32))
 
@@ -120,8 +133,124 @@ def _log(log_file: Optional[Path], record: dict) -> None:
             f.write(line + "\n")
 
 
-def train_target(cfg: DemoConfig, work: Path, steps: Optional[int] = None):
-    """Train the target from the token streams in ``work``; saves ``target.safetensors``."""
+class Checkpoint:
+    """``{stage}_ckpt.*`` in the work directory: weights, optimiser state, step.
+
+    Written every ``ckpt_every`` steps (atomically: temp files, then renames),
+    so a killed run resumes where it stopped and, batches depending only on
+    the step, continues exactly as if never stopped.
+    """
+
+    def __init__(self, work: Path, stage: str):
+        self.weights = work / f"{stage}_ckpt.safetensors"
+        self.opt = work / f"{stage}_ckpt_opt.safetensors"
+        self.meta = work / f"{stage}_ckpt.json"
+
+    def save(self, module: nn.Module, opt, meta: dict) -> None:
+        tmp = [p.with_suffix(".tmp.safetensors") for p in (self.weights, self.opt)]
+        module.save_weights(str(tmp[0]))
+        mx.save_safetensors(str(tmp[1]), dict(tree_flatten(opt.state)))
+        for t, p in zip(tmp, (self.weights, self.opt)):
+            t.replace(p)
+        self.meta.write_text(json.dumps(meta) + "\n")
+
+    def restore(self, module: nn.Module, opt, config: str) -> Optional[dict]:
+        """The saved meta (step, ...) after loading weights and optimiser state; None if absent."""
+        if not self.meta.exists():
+            return None
+        meta = json.loads(self.meta.read_text())
+        if meta["config"] != config:
+            raise ValueError(
+                f"{self.meta} was written by another configuration; "
+                "remove it or use a new work directory"
+            )
+        module.load_weights(str(self.weights))
+        opt.state = tree_unflatten(list(mx.load(str(self.opt)).items()))
+        return meta
+
+
+def train_loop(
+    cfg: DemoConfig,
+    work: Path,
+    stage: str,
+    module,
+    loss_fn,
+    opt,
+    steps,
+    batches,
+    stop_after=None,
+    frozen=(),
+):
+    """Optimiser steps of ``loss_fn(module, x) -> (loss, metric)`` up to ``steps``.
+
+    Starts from the stage's checkpoint when there is one. Returns the training
+    seconds, or None when ``stop_after`` new steps ended it early.
+    """
+    loss_and_grad = nn.value_and_grad(module, loss_fn)
+    state = [module.state, opt.state]
+
+    def step(x):
+        (loss, metric), grads = loss_and_grad(module, x)
+        grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
+        opt.update(module, grads)
+        return loss, metric, norm
+
+    if cfg.compile:
+        step = mx.compile(step, inputs=state + list(frozen), outputs=state)
+    log_file = work / f"train_{stage}.log.jsonl"
+    ckpt = Checkpoint(work, stage)
+    meta = ckpt.restore(module, opt, cfg.to_json())
+    if meta is None:
+        log_file.unlink(missing_ok=True)
+        meta = {"config": cfg.to_json(), "step": 0, "smooth": None, "elapsed_s": 0.0}
+    _log(
+        log_file,
+        {
+            "stage": stage,
+            "params": num_params(module),
+            "steps": steps,
+            "from_step": meta["step"],
+        },
+    )
+    t0, first = time.time(), meta["step"]
+    elapsed_before = meta["elapsed_s"]
+    last = steps if stop_after is None else min(steps, first + stop_after)
+    for i in range(first + 1, last + 1):
+        loss, metric, norm = step(batches.at(i))
+        mx.eval(loss, metric, norm, state)
+        smooth = meta["smooth"]
+        meta["smooth"] = (
+            loss.item() if smooth is None else 0.95 * smooth + 0.05 * loss.item()
+        )
+        el = time.time() - t0
+        meta.update(step=i, elapsed_s=elapsed_before + el)
+        if i % cfg.log_every == 0 or i == steps:
+            _log(
+                log_file,
+                {
+                    "step": i,
+                    "loss": round(loss.item(), 4),
+                    "metric": round(metric.item(), 4),
+                    "smooth": round(meta["smooth"], 4),
+                    "grad_norm": round(norm.item(), 3),
+                    "lr": float(opt.learning_rate.item()),
+                    "elapsed_s": round(meta["elapsed_s"], 1),
+                    "tok_per_s": round(
+                        (i - first) * batches.batch * (batches.length - 1) / el
+                    ),
+                },
+            )
+        if i % cfg.ckpt_every == 0 or i == last:
+            ckpt.save(module, opt, meta)
+    return meta["elapsed_s"] if last == steps else None
+
+
+def train_target(cfg: DemoConfig, work: Path, steps=None, stop_after=None):
+    """Train the target from the token streams in ``work``; saves ``target.safetensors``.
+
+    Resumes from the stage's checkpoint when there is one; ``stop_after`` ends
+    this run after that many steps (checkpointed) and returns ``(model, None)``.
+    """
     work = Path(work)
     corpus = json.loads((work / "corpus.json").read_text())
     train = np.load(work / "train_tokens.npy")
@@ -132,48 +261,24 @@ def train_target(cfg: DemoConfig, work: Path, steps: Optional[int] = None):
     init_weights(model, cfg.num_hidden_layers, cfg.seed)
     model.train()
     opt = optim.AdamW(
-        lr_schedule(cfg.target_lr, cfg.warmup_steps, steps),
+        lr_schedule(cfg.target_lr, cfg.warmup_steps, steps, cfg.decay),
         betas=[0.9, 0.95],
         weight_decay=cfg.weight_decay,
     )
-    loss_and_grad = nn.value_and_grad(model, target_loss)
-    state = [model.state, opt.state]
 
-    def step(x):
-        loss, grads = loss_and_grad(model, x)
-        grads, norm = optim.clip_grad_norm(grads, cfg.grad_clip)
-        opt.update(model, grads)
-        return loss, norm
-
-    if cfg.compile:
-        step = mx.compile(step, inputs=state, outputs=state)
+    def loss_fn(model, x):
+        loss = target_loss(model, x)
+        return loss, loss
 
     batches = Batches(train, cfg.seq_len + 1, cfg.batch_size, cfg.seed + 1)
-    windows = eval_windows(held, cfg.seq_len + 1, cfg.eval_windows)
-    log_file = work / "train_target.log.jsonl"
-    log_file.unlink(missing_ok=True)
-    _log(log_file, {"stage": "target", "params": num_params(model), "steps": steps})
-    t0, run = time.time(), 0.0
     with chunked_gdn(cfg.gdn_chunk, model):
-        for i in range(1, steps + 1):
-            loss, norm = step(batches.next())
-            mx.eval(loss, norm, state)
-            run = loss.item() if i == 1 else 0.95 * run + 0.05 * loss.item()
-            if i % cfg.log_every == 0 or i == steps:
-                el = time.time() - t0
-                _log(
-                    log_file,
-                    {
-                        "step": i,
-                        "loss": round(loss.item(), 4),
-                        "smooth": round(run, 4),
-                        "grad_norm": round(norm.item(), 3),
-                        "elapsed_s": round(el, 1),
-                        "tok_per_s": round(i * cfg.batch_size * cfg.seq_len / el),
-                    },
-                )
-    train_s = time.time() - t0
+        train_s = train_loop(
+            cfg, work, "target", model, loss_fn, opt, steps, batches, stop_after
+        )
+    if train_s is None:
+        return model, None
     model.eval()
+    windows = eval_windows(held, cfg.seq_len + 1, cfg.eval_windows)
     held_loss = heldout_target_loss(model, windows)
     model.save_weights(str(work / "target.safetensors"))
     result = {
@@ -186,7 +291,7 @@ def train_target(cfg: DemoConfig, work: Path, steps: Optional[int] = None):
         "unigram_loss": corpus["unigram_eval_loss"],
         "params": num_params(model),
     }
-    _log(log_file, result)
+    _log(work / "train_target.log.jsonl", result)
     (work / "target_result.json").write_text(json.dumps(result, indent=2) + "\n")
     return model, result
 
@@ -232,8 +337,11 @@ def heldout_mtp(head, model, windows) -> dict:
     }
 
 
-def train_mtp(cfg: DemoConfig, work: Path, steps: Optional[int] = None):
-    """Train the MTP head on the frozen target; saves ``mtp_head.safetensors``."""
+def train_mtp(cfg: DemoConfig, work: Path, steps=None, stop_after=None):
+    """Train the MTP head on the frozen target; saves ``mtp_head.safetensors``.
+
+    Resumable and stoppable as :func:`train_target`.
+    """
     work = Path(work)
     train = np.load(work / "train_tokens.npy")
     held = np.load(work / "eval_tokens.npy")
@@ -245,7 +353,7 @@ def train_mtp(cfg: DemoConfig, work: Path, steps: Optional[int] = None):
     init_weights(head, cfg.num_hidden_layers, cfg.seed + 2)
     head.train()
     opt = optim.AdamW(
-        lr_schedule(cfg.mtp_lr, cfg.warmup_steps, steps),
+        lr_schedule(cfg.mtp_lr, cfg.warmup_steps, steps, cfg.decay),
         betas=[0.9, 0.95],
         weight_decay=cfg.weight_decay,
     )
@@ -253,41 +361,24 @@ def train_mtp(cfg: DemoConfig, work: Path, steps: Optional[int] = None):
     def loss_fn(head, x):
         return mtp_loss(head, model, x, cfg.mtp_distill)
 
-    loss_and_grad = nn.value_and_grad(head, loss_fn)
-    state = [head.state, opt.state]
-
-    def step(x):
-        (loss, hard), grads = loss_and_grad(head, x)
-        grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
-        opt.update(head, grads)
-        return loss, hard
-
-    if cfg.compile:
-        step = mx.compile(step, inputs=state + [model.state], outputs=state)
-
     batches = Batches(train, cfg.seq_len + 1, cfg.mtp_batch_size, cfg.seed + 3)
-    windows = eval_windows(held, cfg.seq_len + 1, cfg.eval_windows)
-    log_file = work / "train_mtp.log.jsonl"
-    log_file.unlink(missing_ok=True)
-    _log(log_file, {"stage": "mtp", "params": num_params(head), "steps": steps})
-    t0 = time.time()
     with chunked_gdn(cfg.gdn_chunk, model):
-        for i in range(1, steps + 1):
-            loss, hard = step(batches.next())
-            mx.eval(loss, hard, state)
-            if i % cfg.log_every == 0 or i == steps:
-                el = time.time() - t0
-                _log(
-                    log_file,
-                    {
-                        "step": i,
-                        "loss": round(loss.item(), 4),
-                        "hard": round(hard.item(), 4),
-                        "elapsed_s": round(el, 1),
-                    },
-                )
-    train_s = time.time() - t0
+        train_s = train_loop(
+            cfg,
+            work,
+            "mtp",
+            head,
+            loss_fn,
+            opt,
+            steps,
+            batches,
+            stop_after,
+            [model.state],
+        )
+    if train_s is None:
+        return head, None
     head.eval()
+    windows = eval_windows(held, cfg.seq_len + 1, cfg.eval_windows)
     result = {
         "stage": "mtp",
         "steps": steps,
@@ -296,6 +387,6 @@ def train_mtp(cfg: DemoConfig, work: Path, steps: Optional[int] = None):
         **heldout_mtp(head, model, windows),
     }
     head.save_weights(str(work / "mtp_head.safetensors"))
-    _log(log_file, result)
+    _log(work / "train_mtp.log.jsonl", result)
     (work / "mtp_result.json").write_text(json.dumps(result, indent=2) + "\n")
     return head, result
