@@ -24,6 +24,29 @@ def prepare_model(model):
     return model
 
 
+def upcast_experts_on_cpu(model):
+    """Cast a half-precision MoE model to float32 when it runs on the CPU.
+
+    MLX's CPU ``gather_mm`` (the experts' matmul) runs float32 only, so a
+    bfloat16 MoE checkpoint cannot decode there at all (mlx-lm alone fails with
+    ``[GatherMM::eval] Currently only supports float32``); other devices and
+    dense or quantized models are left exactly as loaded.
+    """
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return model
+    half = (mx.bfloat16, mx.float16)
+    head = getattr(model, "__dict__", {}).get("mtp_head")  # not a child module
+    modules = [m for m in (model, head) if m is not None]
+    if any(
+        isinstance(sub, mlx_lm_compat.SwitchLinear) and sub.weight.dtype in half
+        for m in modules
+        for _, sub in m.named_modules()
+    ):
+        for m in modules:
+            m.set_dtype(mx.float32)
+    return model
+
+
 def load(
     path_or_hf_repo: Union[str, Path],
     tokenizer_config: Optional[dict] = None,
@@ -56,4 +79,4 @@ def load(
         if not lazy:
             mx.eval(model.parameters())
     attach_mtp_head(model, path, mtp_path=mtp_path, lazy=lazy)
-    return prepare_model(model), tokenizer
+    return prepare_model(upcast_experts_on_cpu(model)), tokenizer
