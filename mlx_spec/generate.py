@@ -8,7 +8,7 @@ from typing import List, Optional, Union
 import mlx.core as mx
 
 from .core.decode import SpeculativeDecoder, speculative_generate_step
-from .core.policy import most_drafts, verify_cost_profile
+from .core.policy import most_drafts, verify_cost_profiles
 from .core.state import ROLLBACK_STRATEGIES
 from .core.stats import SpecStats
 from .drafters import DRAFTS, default_draft, make_drafter
@@ -175,10 +175,9 @@ def stream_generate(
             )
         for k in _PLAIN_ONLY:
             kwargs.pop(k, None)
-        costs = None
-        if num_draft_tokens == "auto":  # timed apart from the prompt
+        if num_draft_tokens == "auto":  # measured (once) apart from the prompt
             tic = time.perf_counter()
-            costs = verify_cost_profile(model)
+            verify_cost_profiles(model)
             stats.profile_seconds = time.perf_counter() - tic
         tokens = _on_stream(
             stream,
@@ -187,7 +186,6 @@ def stream_generate(
                 model,
                 drafter,
                 num_draft_tokens=num_draft_tokens,
-                verify_costs=costs,
                 stats=stats,
                 timing=timing,
                 stop_tokens=tokenizer.eos_token_ids,

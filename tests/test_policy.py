@@ -46,15 +46,54 @@ def test_costly_verify_needs_high_acceptance():
     assert policy.choose(8) == 0
 
 
+def test_what_passes_really_take_enters_the_choice():
+    """A profile where a 2-token verify costs twice a 1-token one: at 60%
+    acceptance one draft does not pay. Passes that really take 10 ms more
+    (host work the profile does not see) make the verify's share small: it pays."""
+    costs = [1e-3 * (1 + t) for t in range(9)]
+    policy = DraftLengthPolicy(costs)
+    for _ in range(40):
+        for n in (1, 1, 1, 0, 0):
+            policy.update(1, n)
+    assert policy.choose(1) == 0  # 1.6 tokens for 2x the cost
+    policy.observe_pass(0, 11e-3)  # a warm-up pass: not counted
+    assert policy.extra is None
+    for _ in range(40):
+        policy.observe_pass(0, 11e-3)
+        policy.observe_pass(1, 12e-3)
+    assert policy.extra == pytest.approx(10e-3)
+    assert policy.pass_cost(1) / policy.pass_cost(0) == pytest.approx(12 / 11)
+    assert policy.choose(1) == 1  # 1.6 tokens for 1.09x the cost
+
+
+def test_verify_cost_grows_with_context_between_the_profiles():
+    c0, c1 = policy.PROFILE_CONTEXTS
+    short = [1.0 + 0.1 * t for t in range(9)]
+    long = [s + 0.01 * (t + 1) * (c1 - c0) / 1000 for t, s in enumerate(short)]
+    p = DraftLengthPolicy(short, long_costs=long)
+    assert p.verify_cost(0, c0) == pytest.approx(short[0])
+    assert p.verify_cost(4, c1) == pytest.approx(long[4])
+    # linear in context beyond the long profile: +1000 tokens, +0.01 s per token verified
+    assert p.verify_cost(4, c1 + 1000) == pytest.approx(long[4] + 0.05)
+    for _ in range(10):  # the first draft accepted 9 times in 10, then all
+        for n in [8] * 9 + [0]:
+            p.update(8, n)
+    assert p.choose(8, context=c0) == 8
+    # where every verified token costs far more than the pass: not drafting
+    assert p.choose(8, context=10**7) == 0
+
+
 @pytest.fixture
 def gpu_like_costs(monkeypatch):
     """Pin the verify-cost profile (a T-token verify costs 1 + 0.05 (T-1) steps,
-    the shape of a memory-bound GPU decode) so decisions do not depend on how
-    busy this machine is while the profile is measured."""
+    the shape of a memory-bound GPU decode) and ignore the passes' own timings,
+    so decisions do not depend on how busy this machine is."""
+    monkeypatch.setattr(DraftLengthPolicy, "observe_pass", lambda *a, **k: None)
 
     def pin(model):
         costs = [1e-3 * (1 + 0.05 * t) for t in range(MAX_AUTO_DRAFT_TOKENS + 1)]
-        monkeypatch.setitem(policy._profiles, id(model), costs)
+        for context in policy.PROFILE_CONTEXTS:
+            monkeypatch.setitem(policy._profiles, (id(model), context), costs)
 
     return pin
 
@@ -101,9 +140,9 @@ def fresh_profiles(monkeypatch, tmp_path):
     measured = []
     real = policy.measure_verify_costs
 
-    def measure(model, max_tokens, repeats=3):
+    def measure(model, max_tokens, repeats=3, context=policy.PROFILE_CONTEXTS[0]):
         measured.append(max_tokens)
-        return real(model, max_tokens, repeats=1)
+        return real(model, max_tokens, 1, context)
 
     monkeypatch.setattr(policy, "measure_verify_costs", measure)
     return measured
@@ -115,14 +154,19 @@ def test_profile_is_kept_on_disk_per_machine_mlx_and_model(
     model, other = models["qwen3_5"][0], models["qwen3_next"][0]
     costs = verify_cost_profile(model, 3)
     assert policy.profile_cache_file().exists() and fresh_profiles == [3]
+    long = verify_cost_profile(model, 3, context=policy.PROFILE_CONTEXTS[1])
+    assert fresh_profiles == [3, 3]  # each context is measured once
     monkeypatch.setattr(policy, "_profiles", {})  # a new process
-    assert verify_cost_profile(model, 3) == costs and fresh_profiles == [3]
+    assert verify_cost_profile(model, 3) == costs and fresh_profiles == [3, 3]
+    long_again = verify_cost_profile(model, 3, context=policy.PROFILE_CONTEXTS[1])
+    assert long_again == long and fresh_profiles == [3, 3]
+    fresh_profiles.clear()
     verify_cost_profile(other, 3)  # another model: measured
-    assert fresh_profiles == [3, 3]
+    assert fresh_profiles == [3]
     monkeypatch.setattr(policy, "_profiles", {})
     monkeypatch.setattr(policy.mx, "__version__", "0.0.0-other")
     verify_cost_profile(model, 3)  # another MLX version: measured again
-    assert fresh_profiles == [3, 3, 3]
+    assert fresh_profiles == [3, 3]
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"x": 1}', ""])

@@ -8,11 +8,7 @@ import mlx.core as mx
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS, as_drafter
 from ..mlx_lm_compat import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 from ..models.pipeline import pipeline_group
-from .policy import (
-    DraftLengthPolicy,
-    most_drafts,
-    verify_cost_profile,
-)
+from .policy import make_policy, most_drafts
 from .sampling import make_draft_sampler, make_sampler
 from .state import SpeculativeCache
 from .stats import PhaseClock, SpecStats
@@ -225,7 +221,7 @@ def speculative_generate_step(
 
     prompt: [N] token ids. Each iteration drafts up to ``num_draft_tokens``
     tokens (``"auto"``: chosen per pass by :class:`DraftLengthPolicy` from
-    ``verify_costs``, measured here when not given),
+    ``verify_costs``, else the measured profiles),
     verifies ``[last, *draft]`` in one target pass, yields the longest prefix
     the target agrees with plus the target's own next token, and rolls every
     cache back to what was yielded (also when the caller stops early).
@@ -241,11 +237,8 @@ def speculative_generate_step(
         decoder = SpeculativeDecoder(
             model, drafter, max_draft, stats=stats, **decoder_args
         )
-    if auto:
-        costs = verify_costs or verify_cost_profile(model)
-        policy = DraftLengthPolicy(costs, group=pipeline_group(model))
-    else:
-        policy = None
+    group = pipeline_group(model)
+    policy = make_policy(model, verify_costs, group) if auto else None
     sampler = sampler or make_sampler(0.0)
     stats, progress = decoder.stats, prompt_progress_callback or (lambda *_: None)
 
@@ -263,10 +256,13 @@ def speculative_generate_step(
         while not done:
             clock.lap("host")
             room = min(max_draft, max_tokens - produced - 1, decoder.draft_room())
-            k = policy.choose(room) if policy else room
+            context = len(decoder.history)
+            k = policy.choose(room, context) if policy else room
+            tic = time.perf_counter()
             emitted, logprobs, n = decoder.verify(
                 k, sampler, logits_processors, history, clock
             )
+            seconds = time.perf_counter() - tic  # the caller's time excluded
             if policy:
                 policy.update(decoder.drafted, n, decoder.draft_seconds)
             if produced == 0:
@@ -282,7 +278,12 @@ def speculative_generate_step(
                     yield token, logprobs[i], i < n
             finally:  # also when the caller stops early: keep what it saw
                 ends = done or len(yielded) < len(emitted)
+                tic = time.perf_counter()
                 decoder.commit(yielded, process_last=ends, clock=clock)
+            if policy:
+                policy.observe_pass(
+                    decoder.drafted, seconds + time.perf_counter() - tic
+                )
             history += emitted
     except GeneratorExit:
         if flush:

@@ -2,11 +2,16 @@
 
 The expected number of tokens a verify pass with ``k`` drafts yields is
 ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i``, where ``a_i`` is the probability that
-draft ``i`` is accepted given drafts ``1..i-1`` were. Its cost is the measured
-time of a ``(1+k)``-token target forward plus ``k`` drafting steps. The policy
-picks the ``k`` that maximises tokens per second, which is ``k = 0`` (plain
-decoding) whenever speculation does not pay; it then re-probes with one draft
-now and then, so a workload that becomes predictable is noticed.
+draft ``i`` is accepted given drafts ``1..i-1`` were. Its cost is modelled as
+the verify forward over ``1+k`` tokens at the current context length (the
+profile, measured once at two context lengths and interpolated: attention
+grows linearly with context), plus ``k`` times the measured drafting cost per
+token, plus what the passes of this generation really took beyond that model
+(host work, the drafter's catch-up, a busier machine), learned online from
+every pass. The policy picks the ``k`` that maximises tokens per second, which
+is ``k = 0`` (plain decoding) whenever speculation does not pay; it then
+re-probes with one draft now and then, so a workload that becomes
+predictable is noticed.
 """
 
 import hashlib
@@ -16,7 +21,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -30,10 +35,13 @@ _PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
 # Exponential forgetting: acceptance drifts with the content being generated.
 _DECAY = 0.97
 _PROBE_EVERY = 16
+_COST_WEIGHT = 0.1  # weight of the newest pass in the learned extra cost
+# Context lengths (tokens before a pass) the verify costs are measured at.
+PROFILE_CONTEXTS = (32, 1056)
 
 CACHE_DIR_ENV = "MLX_SPEC_CACHE_DIR"  # default: ~/.cache/mlx_spec
 
-_profiles: Dict[int, List[float]] = {}  # id(model) -> costs, this process
+_profiles: Dict[tuple, List[float]] = {}  # (id(model), context) -> costs
 
 
 def most_drafts(num_draft_tokens) -> int:
@@ -45,35 +53,58 @@ def most_drafts(num_draft_tokens) -> int:
 
 
 def verify_cost_profile(
-    model, max_tokens: int = MAX_AUTO_DRAFT_TOKENS + 1, repeats: int = 3
+    model,
+    max_tokens: int = MAX_AUTO_DRAFT_TOKENS + 1,
+    repeats: int = 3,
+    context: int = PROFILE_CONTEXTS[0],
 ):
-    """Seconds of a target forward over T = 1..max_tokens tokens; index 0 is T = 1.
+    """Seconds of a target forward over T = 1..max_tokens tokens after
+    ``context`` tokens; index 0 is T = 1.
 
     Measured once per machine, MLX version, BLAS and model: kept for the
     process and on disk (:func:`profile_cache_file`), so later runs skip it.
     """
-    key = id(model)
+    key = (id(model), context)
     if key in _profiles and len(_profiles[key]) >= max_tokens:
         return _profiles[key][:max_tokens]
-    disk_key = _profile_key(model, max_tokens)
+    disk_key = _profile_key(model, max_tokens, context)
     costs = _read_profile(disk_key, max_tokens)
     if costs is None:
-        costs = measure_verify_costs(model, max_tokens, repeats)
+        costs = measure_verify_costs(model, max_tokens, repeats, context)
         _write_profile(disk_key, costs)
     _profiles[key] = costs
     return costs
 
 
-def measure_verify_costs(model, max_tokens: int, repeats: int = 3) -> List[float]:
+def verify_cost_profiles(model) -> Tuple[List[float], List[float]]:
+    """The profile after each of ``PROFILE_CONTEXTS`` tokens (measured or cached)."""
+    short, long = (verify_cost_profile(model, context=c) for c in PROFILE_CONTEXTS)
+    return short, long
+
+
+def make_policy(model, verify_costs: Optional[List[float]] = None, group=None):
+    """The auto policy for ``model``: from ``verify_costs`` (one profile, no
+    growth with context) when given, else from the measured profiles."""
+    if verify_costs is not None:
+        return DraftLengthPolicy(verify_costs, group=group)
+    short, long = verify_cost_profiles(model)
+    return DraftLengthPolicy(short, group=group, long_costs=long)
+
+
+def measure_verify_costs(
+    model, max_tokens: int, repeats: int = 3, context: int = PROFILE_CONTEXTS[0]
+) -> List[float]:
     """Time target forwards over T = 1..max_tokens tokens on this machine.
 
-    On a scratch cache holding a short random context (restored after every
+    On a scratch cache holding ``context`` random tokens (restored after every
     timed forward), after a warm-up round; the minimum of ``repeats`` rounds
     (robust to a busy machine), made non-decreasing in T.
     """
     vocab = model.model.embed_tokens.weight.shape[0] if hasattr(model, "model") else 2
     cache = make_prompt_cache(model)
-    mx.eval(model(mx.random.randint(0, vocab, (1, 32)), cache=cache))
+    for start in range(0, context, 512):
+        n = min(512, context - start)
+        mx.eval(model(mx.random.randint(0, vocab, (1, n)), cache=cache))
     saved = [c.state for c in cache]
     best = [float("inf")] * max_tokens
     for round_ in range(repeats + 1):
@@ -97,7 +128,7 @@ def profile_cache_file() -> Path:
     return Path(root) / "verify_costs.json"
 
 
-def _profile_key(model, max_tokens: int) -> str:
+def _profile_key(model, max_tokens: int, context: int) -> str:
     """What a profile depends on: the machine, its MLX and BLAS, the model."""
     what = {
         "host": platform.node(),
@@ -109,6 +140,8 @@ def _profile_key(model, max_tokens: int) -> str:
         "model": model_fingerprint(model),
         "tokens": max_tokens,
     }
+    if context != PROFILE_CONTEXTS[0]:  # profiles stored before keep their key
+        what["context"] = context
     if mx.metal.is_available():
         what["gpu"] = str(mx.device_info().get("device_name", ""))
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
@@ -154,21 +187,28 @@ def _write_profile(key: str, costs: List[float]):
 class DraftLengthPolicy:
     """Online choice of the number of drafts per verify pass.
 
-    ``group``: the ranks of a pipeline, which time their passes differently
-    but must verify the same number of tokens: rank 0's choice is used."""
+    ``verify_costs`` / ``long_costs``: the profile after ``PROFILE_CONTEXTS``
+    tokens of context (seconds, index 0 = 1 token; without ``long_costs``
+    the cost does not grow with context). ``group``: the ranks of a pipeline,
+    which time their passes differently but must verify the same number of
+    tokens: rank 0's choice is used."""
 
     def __init__(
         self,
         verify_costs: List[float],
         max_draft: int = MAX_AUTO_DRAFT_TOKENS,
         group=None,
+        long_costs: Optional[List[float]] = None,
     ):
         self.group = group
-        self.verify_costs = list(verify_costs)  # seconds, index 0 = 1 token
+        self.verify_costs = list(verify_costs)
+        self.long_costs = None if long_costs is None else list(long_costs)
         self.max_draft = min(max_draft, len(self.verify_costs) - 1)
         self.accepted = [0.0] * self.max_draft  # decayed counts per position
         self.drafted = [0.0] * self.max_draft
         self.draft_cost = 0.0  # seconds per drafted token (measured)
+        self.extra = None  # seconds a pass takes beyond the model (learned)
+        self._warm: set = set()  # draft counts past their first (warm-up) pass
         self.passes_at_zero = 0
         self.last_choice = 0
 
@@ -185,18 +225,32 @@ class DraftLengthPolicy:
             rates.append(prior)
         return rates
 
-    def expected_speed(self, k: int) -> float:
+    def verify_cost(self, k: int, context: int) -> float:
+        """Seconds of a verify forward over 1 + k tokens after ``context``."""
+        base = self.verify_costs[k]
+        if self.long_costs is None:
+            return base
+        c0, c1 = PROFILE_CONTEXTS
+        slope = max(self.long_costs[k] - base, 0.0) / (c1 - c0)
+        return base + slope * max(context - c0, 0)
+
+    def pass_cost(self, k: int, context: int = PROFILE_CONTEXTS[0]) -> float:
+        """Expected seconds of a pass with ``k`` drafts after ``context`` tokens."""
+        modelled = self.verify_cost(k, context) + k * self.draft_cost
+        return max(modelled + (self.extra or 0.0), 1e-9)
+
+    def expected_speed(self, k: int, context: int = PROFILE_CONTEXTS[0]) -> float:
         """Expected tokens per second with ``k`` drafts."""
         tokens, survive = 1.0, 1.0
         for a in self.acceptance()[:k]:
             survive *= a
             tokens += survive
-        return tokens / (self.verify_costs[k] + k * self.draft_cost)
+        return tokens / self.pass_cost(k, context)
 
-    def choose(self, limit: int) -> int:
-        """Drafts for the next pass, at most ``limit``."""
+    def choose(self, limit: int, context: int = PROFILE_CONTEXTS[0]) -> int:
+        """Drafts for the next pass (after ``context`` tokens), at most ``limit``."""
         limit = min(limit, self.max_draft)
-        best = max(range(limit + 1), key=self.expected_speed)
+        best = max(range(limit + 1), key=lambda k: self.expected_speed(k, context))
         if best == 0 and limit > 0:
             self.passes_at_zero += 1
             if self.passes_at_zero % _PROBE_EVERY == 0:
@@ -224,3 +278,19 @@ class DraftLengthPolicy:
         if draft_seconds is not None:
             per_token = draft_seconds / n_drafted
             self.draft_cost = 0.8 * self.draft_cost + 0.2 * per_token
+
+    def observe_pass(
+        self, n_drafted: int, seconds: float, context: int = PROFILE_CONTEXTS[0]
+    ):
+        """Record what a whole pass with ``n_drafted`` drafts took (seconds)."""
+        if n_drafted > self.max_draft or not 0 < seconds < 60:
+            return  # not a pass this policy chooses, or a clock anomaly
+        if n_drafted not in self._warm:  # the first pass of a shape pays warm-up
+            self._warm.add(n_drafted)
+            return
+        modelled = self.verify_cost(n_drafted, context) + n_drafted * self.draft_cost
+        residual = seconds - modelled
+        if self.extra is None:
+            self.extra = residual
+        else:
+            self.extra += _COST_WEIGHT * (residual - self.extra)
