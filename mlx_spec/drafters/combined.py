@@ -6,19 +6,20 @@ hidden states in ``accept`` either way, and an n-gram step adds no draft-time
 MTP rows (nothing to trim).
 
 Each step has at most one candidate copy (the n-gram draft) and the MTP head's
-next token d_1 (free: computed by the last ``accept``). With a copy, the head
-drafts too. Equal drafts: the head's. Otherwise, at their first difference j
-the verify settles who was right whenever the target gets that far:
-``emitted[j]`` is the target's token there, whichever draft was used (an
-accepted token or the correction). A decayed score of those wins picks the
-source at the next difference (ties: the copy for a full ``max_ngram``
-match). So it learns within a generation whether the head or the copy is
-more reliable, at every depth; the price is k - 1 head steps on copy steps.
+next token d_1 (free: computed by the last ``accept``); the head's further
+steps cost a head forward each, so they run only when the head's draft is
+the one verified. Without a copy, the head drafts. With one, the copy is
+taken when d_1 agrees with its first token or the match is a full
+``max_ngram`` gram. When they disagree, the target's next token settles who
+was right (``emitted[0]`` is the target's token there whichever draft was
+used), and a decayed score of those wins picks the source at the next
+disagreement (ties: the head). So it learns within a generation whether the
+head or the copy is more reliable where they differ, without running the
+head for a draft it does not use.
 
-While sampling, the choice must not depend on the sampled draft, so
-:meth:`MTPNgramDrafter.prefer_copy` decides before the head drafts: the copy
-when the head's argmax agrees with it or the match is a full ``max_ngram``
-gram. ``scripts/bench_mtp_ngram.py`` compares this with other rules.
+While sampling, the choice must not depend on the sampled draft:
+:meth:`MTPNgramDrafter.prefer_copy` (the agreement rule alone) decides before
+the head drafts. ``scripts/bench_mtp_ngram.py`` compares this with other rules.
 """
 
 from typing import List, Optional, Sequence
@@ -45,7 +46,7 @@ class MTPNgramDrafter(Drafter):
         self.last_draft_source: Optional[str] = None
         self.steps = {"mtp": 0, "ngram": 0}
         self.score = {"mtp": 0.0, "ngram": 0.0}
-        self._divergence = None  # (j, copy[j], mtp[j]): first difference
+        self._divergence = None  # (copy[0], head's d_1) where they differ
 
     def set_sampling(self, choose):
         """Sample MTP drafts with ``choose`` (None: the head's argmax); copies
@@ -99,51 +100,36 @@ class MTPNgramDrafter(Drafter):
         return self._needs_head(self.ngram.draft(k))
 
     def _needs_head(self, copy: List[int]) -> bool:
-        """Without a copy: when the head has a row. With one: when learning
-        the choice (both are drafted), or when the copy is not preferred."""
-        has_row = self.mtp.next_logits() is not None
-        if not copy or (has_row and self._learns()):
-            return has_row
-        return not self.prefer_copy(copy)
+        """Without a copy: when the head has a row. With one: when the copy
+        is not preferred and (learning) the head has the better record."""
+        if not copy:
+            return self.mtp.next_logits() is not None
+        if self.prefer_copy(copy):
+            return False
+        return not self._learns() or self.score["mtp"] >= self.score["ngram"]
 
     def _learns(self) -> bool:
         return self.learns_choice and self.mtp.choose is None  # not sampling
-
-    def _pick(self, copy: List[int], ours: List[int]) -> List[int]:
-        """Both drafts; at their first difference, the source with the better record."""
-        j = next((i for i, (a, b) in enumerate(zip(copy, ours)) if a != b), None)
-        if j is None:
-            return ours
-        self._divergence = (j, copy[j], ours[j])
-        if self.score["ngram"] != self.score["mtp"]:
-            take_copy = self.score["ngram"] > self.score["mtp"]
-        else:
-            take_copy = self.ngram.match_length() >= self.ngram.max_ngram
-        return copy if take_copy else ours
 
     def draft(self, k: int) -> List[int]:
         self.mtp.check_draft_length(k)
         self._divergence = None
         copy = self.ngram.draft(k)
-        if not self._needs_head(copy):
-            out = copy
-        else:
-            ours = self.mtp.draft(k)
-            out = self._pick(copy, ours) if copy and self._learns() else ours
+        if copy and self._learns() and not self.prefer_copy(copy):
+            head = int(mx.argmax(self.mtp.next_logits()).item())
+            self._divergence = (copy[0], head)  # scored once the target decides
+        out = self.mtp.draft(k) if self._needs_head(copy) else copy
         source = "ngram" if out is copy else "mtp"
         self.last_draft_source = source if out else None
         self.steps[source] += bool(out)
         return out
 
     def accept(self, emitted: Sequence[int], hidden=None):
-        if self._divergence is not None:
-            j, guesses = self._divergence[0], self._divergence[1:]
-            # Both drafts share tokens < j, so the target reached position j
-            # iff it accepted j tokens; emitted[j] is then its token there.
-            if len(emitted) > j:
-                for source, guess in zip(("ngram", "mtp"), guesses):
-                    hit = guess == emitted[j]
-                    self.score[source] = DECAY * self.score[source] + hit
-            self._divergence = None
+        if self._divergence is not None and emitted:
+            # emitted[0] is the target's own next token, whichever draft ran
+            for source, guess in zip(("ngram", "mtp"), self._divergence):
+                hit = guess == emitted[0]
+                self.score[source] = DECAY * self.score[source] + hit
+        self._divergence = None
         self.mtp.accept(emitted, hidden)
         self.ngram.accept(emitted)

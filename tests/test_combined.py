@@ -1,0 +1,77 @@
+"""mtp+ngram: which source drafts, and that the head runs only for its own drafts."""
+
+import mlx.core as mx
+
+from mlx_spec.drafters.combined import MTPNgramDrafter
+
+
+class FakeHead:
+    """The MTP drafter's interface: d_1 is free (``next_logits``), each
+    ``draft`` is what costs head forwards."""
+
+    choose = None
+
+    def __init__(self, vocab=16):
+        self.vocab, self.d1, self.drafts = vocab, 0, 0
+
+    def next_logits(self):
+        return mx.eye(self.vocab)[self.d1]
+
+    def draft(self, k):
+        self.drafts += 1
+        return [self.d1] * k
+
+    def check_draft_length(self, k):
+        pass
+
+    def accept(self, emitted, hidden=None):
+        pass
+
+
+class FakeCopy:
+    max_ngram = 3
+
+    def __init__(self):
+        self.copy, self.match = [], 1
+
+    def draft(self, k):
+        return self.copy[:k]
+
+    def match_length(self):
+        return self.match
+
+    def accept(self, emitted):
+        pass
+
+
+def _drafter():
+    d = MTPNgramDrafter.__new__(MTPNgramDrafter)
+    d.mtp, d.ngram = FakeHead(), FakeCopy()
+    d.last_draft_source, d._divergence = None, None
+    d.steps, d.score = {"mtp": 0, "ngram": 0}, {"mtp": 0.0, "ngram": 0.0}
+    return d
+
+
+def test_agreeing_copy_is_taken_without_running_the_head():
+    d = _drafter()
+    d.ngram.copy, d.mtp.d1 = [5, 6, 7], 5
+    assert d.draft(3) == [5, 6, 7] and d.mtp.drafts == 0
+    d.ngram.match, d.mtp.d1 = 3, 9  # a full n-gram match wins a disagreement
+    assert d.draft(3) == [5, 6, 7] and d.mtp.drafts == 0
+    d.ngram.copy = []  # no copy: the head drafts
+    assert d.draft(2) == [9, 9] and d.mtp.drafts == 1
+
+
+def test_disagreements_are_scored_by_the_targets_next_token():
+    d = _drafter()
+    d.ngram.copy, d.mtp.d1 = [5, 6], 7
+    assert d.draft(2) == [7, 7]  # tie: the head
+    d.accept([5])  # the target chose the copy's token
+    assert d.score["ngram"] > d.score["mtp"]
+    heads = d.mtp.drafts
+    assert d.draft(2) == [5, 6] and d.mtp.drafts == heads  # head not run
+    d.accept([7])
+    d.accept([7])  # an agreement-free pass: nothing scored
+    assert d.score["mtp"] == 1.0 and d.score["ngram"] == 0.8
+    assert d.draft(2) == [7, 7]
+    assert d.steps == {"mtp": 2, "ngram": 1}
