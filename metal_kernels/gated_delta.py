@@ -2,9 +2,13 @@
 
 ``gated_delta_steps`` is the dispatcher (see ``mlx_spec.kernels.switch`` for the
 switch). Its MLX reference, ``gated_delta_steps_reference``, advances the
-recurrence one token at a time through mlx-lm's own ``gated_delta_update``,
-which is exactly what plain one-token decoding runs, so the states it returns
-are bit-identical to the ones plain decoding would reach.
+recurrence one token at a time exactly as plain one-token decoding does, so
+the states it returns are bit-identical to the ones plain decoding would
+reach: where mlx-lm's ``gated_delta_update`` runs its ops path (the CPU, CUDA),
+the gates, ``beta`` and the head repeat are computed once for all tokens
+(elementwise, so each token's values are the same) and each token runs
+mlx-lm's own one-step function; elsewhere each token goes through
+``gated_delta_update`` whole.
 
 The Metal kernel runs all ``T`` tokens in one launch with the state in
 registers and writes the state after every token (what the "store" rollback
@@ -25,7 +29,12 @@ from typing import List, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from ..mlx_lm_compat import compute_g, gated_delta_update
+from ..mlx_lm_compat import (
+    compute_g,
+    gated_delta_step_ops,
+    gated_delta_update,
+    gated_delta_update_runs_ops,
+)
 from .switch import cached_kernel, dispatch, kernel_stream
 
 States = Union[mx.array, List[mx.array]]  # the T per-token states, or the final one
@@ -52,6 +61,10 @@ def gated_delta_steps_reference(
     [B, Hv, Dv, Dk] float32.
     """
     T = q.shape[1]
+    if gated_delta_update_runs_ops(k):
+        return _steps_through_ops(
+            q, k, v, a, b, A_log, dt_bias, state, mask, keep_states
+        )
     ys, states = [], []
     for t in range(T):
         y, state = gated_delta_update(
@@ -68,6 +81,32 @@ def gated_delta_steps_reference(
         ys.append(y)
         states.append(state)
     y = mx.concatenate(ys, axis=1)
+    return y, (states if keep_states else state)
+
+
+def _steps_through_ops(q, k, v, a, b, A_log, dt_bias, state, mask, keep_states):
+    """The reference on mlx-lm's ops path, with the per-token setup hoisted."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    beta, g = mx.sigmoid(b), compute_g(A_log, a, dt_bias)  # [B, T, Hv]
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if Hv // Hk > 1:
+        q, k = (mx.repeat(x, Hv // Hk, -2) for x in (q, k))
+    ys, states = [], []
+    for t in range(T):
+        y, state = gated_delta_step_ops(
+            q[:, t],
+            k[:, t],
+            v[:, t],
+            g[:, t],
+            beta[:, t],
+            state,
+            None if mask is None else mask[:, t],
+        )
+        ys.append(y)
+        states.append(state)
+    y = mx.stack(ys, axis=1)
     return y, (states if keep_states else state)
 
 

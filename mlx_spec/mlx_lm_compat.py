@@ -10,6 +10,7 @@ with another version warns once, naming it.
 
 import warnings
 
+import mlx.core as mx
 import mlx_lm
 from mlx_lm import convert, load
 from mlx_lm.chat import setup_arg_parser as chat_arg_parser
@@ -34,6 +35,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
     save_prompt_cache,
 )
+from mlx_lm.models.gated_delta import _gated_delta_step_ops as gated_delta_step_ops
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_next import (
     Qwen3NextAttention,
@@ -89,6 +91,7 @@ __all__ = [
     "convert",
     "create_attention_mask",
     "dequantize_model",
+    "gated_delta_step_ops",
     "gated_delta_update",
     "generate_step",
     "generation_stream",
@@ -106,9 +109,19 @@ __all__ = [
     "TextStateMachine",
     "make_text_state_machine",
     "server_message_helpers",
+    "gated_delta_update_runs_ops",
     "chat_arg_parser",
     "wired_limit",
 ]
+
+
+def gated_delta_update_runs_ops(k) -> bool:
+    """Whether ``gated_delta_update`` takes its ops path (one
+    ``gated_delta_step_ops`` per token) for keys ``k`` [.., Dk] rather than
+    its Metal kernel: mlx-lm 0.32's condition."""
+    dk = k.shape[-1]
+    on_metal = mx.default_device() == mx.gpu and mx.metal.is_available()
+    return not on_metal or dk < 32 or dk % 32 != 0
 
 
 def server_message_helpers():

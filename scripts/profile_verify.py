@@ -1,0 +1,96 @@
+"""Where a T-token verify pass spends its time, part by part.
+
+Decodes through a :class:`~mlx_spec.core.decode.SpeculativeDecoder` (so the
+GDN layers run their verify forward with per-token states, as in a real
+pass) and wraps each part of the model in a timer that evaluates the part's
+output before reading the clock. The forced evaluations add a little to every
+part, so the parts sum to slightly more than an unwrapped pass (printed too).
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+    python scripts/profile_verify.py [--model DIR] [--context 256] [--tokens 1 4 9]
+"""
+
+import argparse
+import time
+from collections import defaultdict
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import mlx_spec
+from mlx_spec.core.decode import SpeculativeDecoder
+from mlx_spec.demo import default_model_path
+
+
+class Timed(nn.Module):
+    """Runs ``inner`` and adds the seconds to ``totals[name]`` (output evaluated)."""
+
+    def __init__(self, inner, name, totals):
+        super().__init__()
+        self.inner, self.name, self.totals = inner, name, totals
+
+    def __call__(self, *args, **kwargs):
+        tic = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        mx.eval(out)
+        self.totals[self.name] += time.perf_counter() - tic
+        return out
+
+
+def instrument(model, totals):
+    """Wrap the mixers, MLPs, embedding and lm_head of ``model`` in timers."""
+    for layer in model.layers:
+        if getattr(layer, "linear_attn", None) is not None:
+            layer.linear_attn = Timed(layer.linear_attn, "gdn mixer", totals)
+        else:
+            layer.self_attn = Timed(layer.self_attn, "attention", totals)
+        layer.mlp = Timed(layer.mlp, "mlp (moe)", totals)
+    model.model.embed_tokens = Timed(model.model.embed_tokens, "embed", totals)
+    model.lm_head = Timed(model.lm_head, "lm_head", totals)
+
+
+def pass_seconds(decoder, T, repeats):
+    """Best time of a T-token target pass (begin, forward, commit one token)."""
+    best = float("inf")
+    for _ in range(repeats):
+        tokens = mx.array(decoder.history[-1:] * T)
+        mx.eval(tokens)
+        tic = time.perf_counter()
+        decoder.cache.begin(T)
+        logits, hidden = decoder.target.forward(tokens)
+        mx.eval(logits, hidden)
+        decoder.cache.commit(1)
+        mx.eval([c.state for c in decoder.cache.caches])
+        best = min(best, time.perf_counter() - tic)
+    return best
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(default_model_path()))
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 9])
+    p.add_argument("--repeats", type=int, default=20)
+    a = p.parse_args()
+    model, _ = mlx_spec.load(a.model)
+    decoder = SpeculativeDecoder(model, None, max_draft=max(a.tokens))
+    decoder.feed(list(range(1, a.context + 1)))
+    plain = {T: pass_seconds(decoder, T, a.repeats) for T in a.tokens}
+    totals = defaultdict(float)
+    instrument(model, totals)
+    print(f"context {a.context} tokens, ms per pass (best of {a.repeats}):")
+    for T in a.tokens:
+        pass_seconds(decoder, T, 2)  # warm the wrapped shapes
+        totals.clear()
+        for _ in range(a.repeats):
+            pass_seconds(decoder, T, 1)
+        parts = {k: 1e3 * v / a.repeats for k, v in totals.items()}
+        line = "  ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items()))
+        print(
+            f"T={T}: pass {1e3 * plain[T]:.2f} | parts (timed apart) "
+            f"{sum(parts.values()):.2f}: {line}"
+        )
+
+
+if __name__ == "__main__":
+    main()
