@@ -42,7 +42,7 @@ class DemoConfig:
     moe_intermediate_size: int = 64
     shared_expert_intermediate_size: int = 128
     intermediate_size: int = 512  # in the config only: every layer is MoE
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 32768  # config only: trained on 512-token windows
     tie_word_embeddings: bool = False
     # target training
     seq_len: int = 512

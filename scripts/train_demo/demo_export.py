@@ -27,6 +27,7 @@ from typing import Dict
 import mlx.core as mx
 import numpy as np
 from demo_config import DemoConfig
+from demo_data import tokenizer_config
 from mlx.utils import tree_flatten
 
 _ZERO_CENTRED = (
@@ -131,8 +132,9 @@ def export(cfg: DemoConfig, work: Path, out: Path) -> dict:
     )
     config = cfg.hf_config(corpus["eos_token_id"])
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(work / name, out / name)
+    shutil.copyfile(work / "tokenizer.json", out / "tokenizer.json")
+    tok_config = tokenizer_config(corpus["eos_token_id"], cfg.max_position_embeddings)
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
 
     results = {}
     for stage in ("target", "mtp"):

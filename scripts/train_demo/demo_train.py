@@ -133,6 +133,25 @@ def _log(log_file: Optional[Path], record: dict) -> None:
             f.write(line + "\n")
 
 
+# Fields a resumed run may change: budgets (a warmup-stable-decay run can be
+# lengthened before its decay starts), logging, and what only export reads.
+_RESUMABLE_CHANGES = (
+    "target_steps",
+    "mtp_steps",
+    "ckpt_every",
+    "log_every",
+    "eval_windows",
+    "max_position_embeddings",
+    "dtype",
+    "compile",
+)
+
+
+def _training_fields(config_json: str) -> dict:
+    config = json.loads(config_json)
+    return {k: v for k, v in config.items() if k not in _RESUMABLE_CHANGES}
+
+
 class Checkpoint:
     """``{stage}_ckpt.*`` in the work directory: weights, optimiser state, step.
 
@@ -159,7 +178,7 @@ class Checkpoint:
         if not self.meta.exists():
             return None
         meta = json.loads(self.meta.read_text())
-        if meta["config"] != config:
+        if _training_fields(meta["config"]) != _training_fields(config):
             raise ValueError(
                 f"{self.meta} was written by another configuration; "
                 "remove it or use a new work directory"
