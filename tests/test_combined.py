@@ -7,7 +7,7 @@ from mlx_spec.drafters.combined import MTPNgramDrafter
 
 class FakeHead:
     """The MTP drafter's interface: d_1 is free (``next_logits``), each
-    ``draft`` is what costs head forwards."""
+    ``draft_tokens`` is what costs head forwards."""
 
     choose = None
 
@@ -17,7 +17,7 @@ class FakeHead:
     def next_logits(self):
         return mx.eye(self.vocab)[self.d1]
 
-    def draft(self, k):
+    def draft_tokens(self, k):
         self.drafts += 1
         return [self.d1] * k
 

@@ -66,6 +66,24 @@ def test_what_passes_really_take_enters_the_choice():
     assert policy.choose(1) == 1  # 1.6 tokens for 1.09x the cost
 
 
+def test_drafting_time_seen_only_in_whole_passes_is_learned():
+    """A lazy draft's device time is invisible to the host timer (draft cost
+    0 here) but shows in what passes take: 2 ms more per draft. Then one draft
+    at 50% acceptance (1.5 tokens for 3x the time) no longer pays."""
+    policy = DraftLengthPolicy([1e-3] * 9)  # verify costs the same for any T
+    for _ in range(20):
+        policy.update(1, 1)
+        policy.update(1, 0)
+    assert policy.choose(1) == 1
+    for _ in range(20):
+        policy.observe_pass(0, 1e-3)
+        policy.observe_pass(1, 3e-3)
+    extra, per_draft = policy.fitted_costs()  # pulled a little towards 0 / draft
+    assert extra == pytest.approx(0, abs=2e-4)
+    assert per_draft == pytest.approx(2e-3, rel=0.15)
+    assert policy.choose(1) == 0
+
+
 def test_verify_cost_grows_with_context_between_the_profiles():
     c0, c1 = policy.PROFILE_CONTEXTS
     short = [1.0 + 0.1 * t for t in range(9)]

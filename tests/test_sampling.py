@@ -217,15 +217,15 @@ def test_mtp_ngram_samples_its_mtp_drafts(predictive_model):
     sampler = Sampler(temp=1.0, top_k=TOP_K)
     mx.random.seed(0)
     seen = []
-    original = drafter.draft
+    original = drafter.draft_tokens  # what the decode loop calls
 
-    def draft(k):
+    def draft_tokens(k):
         out = original(k)
-        if out and drafter.last_draft_source == "mtp":
+        if len(out) and drafter.last_draft_source == "mtp":
             seen.append(drafter.draft_probs)
         return out
 
-    drafter.draft = draft
+    drafter.draft_tokens = draft_tokens
     steps = speculative_generate_step(
         mx.array(prompts("random", seed=5)),
         predictive_model,

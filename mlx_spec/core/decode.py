@@ -141,25 +141,34 @@ class SpeculativeDecoder:
         if self._verified is not None:
             raise RuntimeError("verify() called twice without commit()")
         clock = clock or PhaseClock(self.stats)
-        if k > 0 and self.drafter is not None:
-            # Deferred drafter work is paid whatever k is: keep it out of the
-            # drafting time the draft-length policy weighs.
-            self.drafter.catch_up()
         tic = time.perf_counter()
-        draft = self.drafter.draft(k) if self.drafter is not None and k > 0 else []
+        draft = self._draft(k)  # a list, or a lazy array (drafted on the device)
         self.drafted, self.draft_seconds = len(draft), time.perf_counter() - tic
-        clock.lap("draft")
+        clock.lap("draft", draft if isinstance(draft, mx.array) else None)
 
+        inputs = mx.array(self.history[-1:], mx.uint32)
+        if len(draft):
+            tail = draft if isinstance(draft, mx.array) else mx.array(draft, mx.uint32)
+            inputs = mx.concatenate([inputs, tail])
         self.cache.begin(1 + len(draft))
-        logits, hidden = self.target.forward(mx.array(self.history[-1:] + draft))
+        logits, hidden = self.target.forward(inputs)
         clock.lap("verify", logits, hidden)
+        if processors and isinstance(draft, mx.array):
+            draft = draft.tolist()  # processors see host token lists
         seen = self.history if history is None else history
         logprobs = _score(logits, seen, draft, processors)
-        q = self.drafter.draft_probs if draft else None
+        q = self.drafter.draft_probs if len(draft) else None
         n, token = verify_draft(draft, logprobs, sampler, q)  # the one host sync
         clock.lap("sampling")
+        draft = draft.tolist() if isinstance(draft, mx.array) else draft
         self._verified = (len(draft), n, hidden)
         return draft[:n] + [token], logprobs, n
+
+    def _draft(self, k: int):
+        if self.drafter is None or k == 0:
+            return []
+        lazy = getattr(self.drafter, "draft_tokens", None)
+        return lazy(k) if lazy is not None else self.drafter.draft(k)
 
     def commit(
         self,

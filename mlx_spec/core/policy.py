@@ -5,10 +5,12 @@ The expected number of tokens a verify pass with ``k`` drafts yields is
 draft ``i`` is accepted given drafts ``1..i-1`` were. Its cost is modelled as
 the verify forward over ``1+k`` tokens at the current context length (the
 profile, measured once at two context lengths and interpolated: attention
-grows linearly with context), plus ``k`` times the measured drafting cost per
-token, plus what the passes of this generation really took beyond that model
-(host work, the drafter's catch-up, a busier machine), learned online from
-every pass. The policy picks the ``k`` that maximises tokens per second, which
+grows linearly with context), plus what the passes of this generation really
+took beyond their verify forward, learned online from every pass as a line in
+``k``: a constant (host work, the drafter's catch-up, a busier machine) and a
+cost per draft (the drafter's own forwards, which run on the device with the
+verify pass and are invisible to a host timer; its slope leans on the
+host-timed drafting cost until passes of several lengths are seen). The policy picks the ``k`` that maximises tokens per second, which
 is ``k = 0`` (plain decoding) whenever speculation does not pay; it then
 re-probes with one draft now and then, so a workload that becomes
 predictable is noticed.
@@ -35,7 +37,9 @@ _PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
 # Exponential forgetting: acceptance drifts with the content being generated.
 _DECAY = 0.97
 _PROBE_EVERY = 16
-_COST_WEIGHT = 0.1  # weight of the newest pass in the learned extra cost
+_COST_DECAY = 0.95  # forgetting of older passes in the learned pass cost
+# Trust in the host-timed draft cost, in one-draft passes' worth of evidence.
+_SLOPE_PRIOR_WEIGHT = 0.5
 # Context lengths (tokens before a pass) the verify costs are measured at.
 PROFILE_CONTEXTS = (32, 1056)
 
@@ -206,8 +210,10 @@ class DraftLengthPolicy:
         self.max_draft = min(max_draft, len(self.verify_costs) - 1)
         self.accepted = [0.0] * self.max_draft  # decayed counts per position
         self.drafted = [0.0] * self.max_draft
-        self.draft_cost = 0.0  # seconds per drafted token (measured)
-        self.extra = None  # seconds a pass takes beyond the model (learned)
+        self.draft_cost = 0.0  # host-timed seconds per drafted token
+        # Decayed sums over observed passes of (1, k, k^2, r, k r), r being a
+        # pass's seconds beyond its verify forward: fit r = extra + slope k.
+        self._fit = [0.0] * 5
         self._warm: set = set()  # draft counts past their first (warm-up) pass
         self.passes_at_zero = 0
         self.last_choice = 0
@@ -236,8 +242,30 @@ class DraftLengthPolicy:
 
     def pass_cost(self, k: int, context: int = PROFILE_CONTEXTS[0]) -> float:
         """Expected seconds of a pass with ``k`` drafts after ``context`` tokens."""
-        modelled = self.verify_cost(k, context) + k * self.draft_cost
-        return max(modelled + (self.extra or 0.0), 1e-9)
+        extra, slope = self.fitted_costs()
+        return max(self.verify_cost(k, context) + extra + slope * k, 1e-9)
+
+    def fitted_costs(self) -> Tuple[float, float]:
+        """(extra, per-draft) seconds of a pass beyond its verify forward.
+
+        A least-squares line through the observed passes, its slope pulled
+        towards the host-timed drafting cost (all that is known while every
+        pass drafts the same number: a lazy draft's device time shows only
+        in the pass). Before any pass: (0, the host-timed cost).
+        """
+        n, sk, skk, sr, skr = self._fit
+        lam, b0 = _SLOPE_PRIOR_WEIGHT, self.draft_cost
+        det = n * (skk + lam) - sk * sk
+        if n == 0 or det <= 0:
+            return 0.0, b0
+        extra = (sr * (skk + lam) - sk * (skr + lam * b0)) / det
+        slope = (n * (skr + lam * b0) - sk * sr) / det
+        return extra, max(slope, 0.0)
+
+    @property
+    def extra(self) -> Optional[float]:
+        """Learned seconds a pass takes beyond verify and drafting (None: no pass yet)."""
+        return self.fitted_costs()[0] if self._fit[0] else None
 
     def expected_speed(self, k: int, context: int = PROFILE_CONTEXTS[0]) -> float:
         """Expected tokens per second with ``k`` drafts."""
@@ -288,9 +316,8 @@ class DraftLengthPolicy:
         if n_drafted not in self._warm:  # the first pass of a shape pays warm-up
             self._warm.add(n_drafted)
             return
-        modelled = self.verify_cost(n_drafted, context) + n_drafted * self.draft_cost
-        residual = seconds - modelled
-        if self.extra is None:
-            self.extra = residual
-        else:
-            self.extra += _COST_WEIGHT * (residual - self.extra)
+        k, r = n_drafted, seconds - self.verify_cost(n_drafted, context)
+        self._fit = [
+            _COST_DECAY * old + new
+            for old, new in zip(self._fit, (1.0, k, k * k, r, k * r))
+        ]

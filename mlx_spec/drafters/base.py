@@ -16,6 +16,9 @@ required; the rest have defaults that a simple drafter never touches:
   drafts stay deterministic.
 - ``draft_probs``: [m, V] the distributions the last draft was sampled from
   (rejection sampling needs them); None for a deterministic draft.
+- ``draft_tokens(k)``: optional, ``draft`` without a host synchronisation: the
+  tokens as a lazy ``mx.array`` [m] that the verify pass evaluates together
+  with its own outputs (one synchronisation per pass), or a list.
 - ``catch_up()``: deferred work (e.g. head forwards over accepted rows) done
   now, so that timing the next ``draft`` measures drafting alone.
 - ``state`` / ``restore(history, arrays)``: arrays saved with a chat session

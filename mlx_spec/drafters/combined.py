@@ -112,16 +112,25 @@ class MTPNgramDrafter(Drafter):
         return self.learns_choice and self.mtp.choose is None  # not sampling
 
     def draft(self, k: int) -> List[int]:
+        tokens = self.draft_tokens(k)
+        if isinstance(tokens, list):
+            return tokens
+        mx.eval(tokens, self.mtp.last_draft_logits, self.mtp.draft_probs)
+        return tokens.tolist()
+
+    def draft_tokens(self, k: int):
+        """A copy (a list), or the head's draft as a lazy array (see
+        :meth:`MTPDrafter.draft_tokens`)."""
         self.mtp.check_draft_length(k)
         self._divergence = None
         copy = self.ngram.draft(k)
         if copy and self._learns() and not self.prefer_copy(copy):
             head = int(mx.argmax(self.mtp.next_logits()).item())
             self._divergence = (copy[0], head)  # scored once the target decides
-        out = self.mtp.draft(k) if self._needs_head(copy) else copy
+        out = self.mtp.draft_tokens(k) if self._needs_head(copy) else copy
         source = "ngram" if out is copy else "mtp"
-        self.last_draft_source = source if out else None
-        self.steps[source] += bool(out)
+        self.last_draft_source = source if len(out) else None
+        self.steps[source] += bool(len(out))
         return out
 
     def accept(self, emitted: Sequence[int], hidden=None):

@@ -151,6 +151,16 @@ class MTPDrafter(Drafter):
 
     def draft(self, k: int) -> List[int]:
         """Up to ``k`` (1..8) greedy tokens after the pending token."""
+        tokens = self.draft_tokens(k)
+        if isinstance(tokens, list):
+            return tokens
+        mx.eval(tokens, self.last_draft_logits, self.draft_probs)
+        return tokens.tolist()
+
+    def draft_tokens(self, k: int):
+        """:meth:`draft` without a host synchronisation: the tokens [k] as a
+        lazy array (the verify pass evaluates them with its own outputs), or
+        a list (nothing to draft, or a draft a batch computed)."""
         self.check_draft_length(k)
         if self._draft_rows:
             raise RuntimeError("draft() called twice without accept()")
@@ -179,9 +189,7 @@ class MTPDrafter(Drafter):
         self.last_draft_logits = mx.stack(rows)
         if probs:
             self.draft_probs = mx.stack(probs)
-        tokens = mx.stack(tokens)
-        mx.eval(tokens, self.last_draft_logits, self.draft_probs)
-        return tokens.tolist()
+        return mx.stack(tokens).astype(mx.uint32)
 
     def discard_draft(self):
         """Drop the draft-time rows (the caller verifies some other draft)."""
