@@ -17,7 +17,10 @@ checkpoint's ``training.json``):
    permuted: same statistics, no learned structure) as a control;
 3. copy-heavy workload: prompt = a held-out function followed by its
    ``def`` line again, so the model regenerates it: tokens per verify pass
-   for ``ngram``, ``mtp`` and ``mtp+ngram``.
+   for ``ngram``, ``mtp`` and ``mtp+ngram``;
+4. the README's first command: 128 greedy tokens after ``def fibonacci(n):``,
+   printed, with the share of its 16-token windows that already occurred
+   earlier in the text (near 1 for a model stuck in a loop).
 
 Acceptance per position i is ``stats.accepted_at[i] / stats.drafted_at[i]``
 (the first i+1 drafts all accepted); "conditional" divides by the passes
@@ -176,6 +179,31 @@ def shuffled(head, seed: int):
     return tree_unflatten(flat)
 
 
+def repeated_share(tokens, n: int = 16) -> float:
+    """Share of the n-token windows of ``tokens`` that occurred earlier in it."""
+    seen, repeats, windows = set(), 0, 0
+    for i in range(len(tokens) - n + 1):
+        w = tuple(tokens[i : i + n])
+        repeats += w in seen
+        windows += 1
+        seen.add(w)
+    return repeats / max(windows, 1)
+
+
+def first_command_sample(model, tok, prompt="def fibonacci(n):", n=128) -> dict:
+    out = [
+        r.token
+        for r in mlx_spec.stream_generate(
+            model, tok, prompt, max_tokens=n, draft="none"
+        )
+    ]
+    text = tok.decode(out)
+    share = repeated_share(tok.encode(prompt) + out)
+    print(f"first command ({len(out)} tokens, repeated share {share:.2f}):")
+    print(prompt + text, flush=True)
+    return {"prompt": prompt, "tokens": len(out), "text": text, "repeated_share": share}
+
+
 def _print(title: str, r: dict) -> None:
     print(
         f"{title:<22} k={r['k']} passes={r['verify_passes']:4d} "
@@ -219,6 +247,7 @@ def evaluate(
         flush=True,
     )
 
+    res["first_command"] = first_command_sample(model, tok)
     prompts = code_prompts(held, tok, n_prompts, 320)
     res["code_prompts"] = len(prompts)
     res["mtp"] = []
