@@ -119,41 +119,44 @@ class MTPBatch:
     def draft(self, wants: Dict[int, int]):
         """Draft ``k`` tokens for each member index -> k in ``wants`` (caught
         up, with a head row) and offer them to the members; the head's steps
-        run once per step for all members."""
+        run once per step for all members. Greedy rows take one argmax over
+        [B, V] per step; a sampling row samples its own row."""
         B, K = len(self.members), max(wants.values())
         states = {b: self.members[b].head_state for b in wants}
-        dtype = next(iter(states.values()))[0].dtype
-        rides = (mx.zeros((1, 1, self.head.hidden_size), dtype), None)
+        hm, logits = next(iter(states.values()))
+        rides = (mx.zeros_like(hm), mx.zeros_like(logits))  # rows not drafting
         states = [states.get(b, rides) for b in range(B)]
         hm = mx.concatenate([s[0] for s in states])  # [B, 1, H]
-        drafted = {b: [] for b in wants}
-        rows = {b: [] for b in wants}
-        probs = {b: [] for b in wants}
-        logits = None  # [B, V] from step 2 on
+        logits = mx.stack([s[1] for s in states])  # [B, V]
+        sampled = {b: [] for b in wants if self.members[b].choose is not None}
+        probs = {b: [] for b in sampled}
+        steps, ids = [], None  # per step: logits [B, V], tokens [B]
         for step in range(K):
             if step:
                 hm = self.head.head_hidden(ids[:, None], hm, self.caches)
-                logits = self.head.logits(hm)[:, 0]  # [B, V]
-            ids = []
-            for b in range(B):
-                if b not in wants or step >= wants[b]:
-                    ids.append(mx.array(0, mx.uint32))  # rides along
-                    continue
-                m = self.members[b]
-                row = states[b][1] if logits is None else logits[b]
-                rows[b].append(row)
-                if m.choose is None:
-                    drafted[b].append(mx.argmax(row).astype(mx.uint32))
-                else:
-                    token, q = m.choose(row, drafted[b])
-                    drafted[b].append(token.astype(mx.uint32))
-                    probs[b].append(q)
-                ids.append(drafted[b][-1].reshape(()))
-            ids = mx.stack(ids)
+                logits = self.head.logits(hm)[:, 0]
+            ids = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            if sampled:
+                ids = self._sample(logits, ids, step, wants, sampled, probs)
+            steps.append((logits, ids))
         for c in self.caches:  # nothing reads the draft-time rows again
             c.trim_rows([K - 1] * B)
-        out = {b: (mx.stack(drafted[b]), mx.stack(rows[b])) for b in wants}
-        q = {b: mx.stack(p) if p else None for b, p in probs.items()}
-        mx.eval(out, q)
-        for b, (tokens, logits) in out.items():
-            self.members[b].offer(wants[b], tokens.tolist(), logits, q[b])
+        tokens = mx.stack([i for _, i in steps], axis=1)  # [B, K]
+        logits = mx.stack([l for l, _ in steps], axis=1)  # [B, K, V]
+        q = {b: mx.stack(p) for b, p in probs.items()}
+        mx.eval(tokens, logits, q)
+        tokens = tokens.tolist()
+        for b, k in wants.items():
+            self.members[b].offer(k, tokens[b][:k], logits[b, :k], q.get(b))
+
+    def _sample(self, logits, ids, step, wants, sampled, probs) -> mx.array:
+        """``ids`` [B] with each sampling row's token (its drafter's
+        ``choose``, which sees the row's tokens so far) in place of the argmax."""
+        ids = [ids[b] for b in range(ids.size)]
+        for b, drafted in sampled.items():
+            if step < wants[b]:
+                token, q = self.members[b].choose(logits[b], drafted)
+                drafted.append(token)
+                probs[b].append(q)
+                ids[b] = token.astype(mx.uint32)
+        return mx.stack(ids)

@@ -56,9 +56,15 @@ class RaggedKVCache:
         self._reserve(end, keys)
         if self.dtype is not None:
             keys, values = keys.astype(self.dtype), values.astype(self.dtype)
-        for b, o in enumerate(self.offsets):
-            self.keys[b : b + 1, :, o : o + T, :] = keys[b : b + 1]
-            self.values[b : b + 1, :, o : o + T, :] = values[b : b + 1]
+        if len(set(self.offsets)) == 1:
+            o = self.offsets[0]
+            self.keys[..., o : o + T, :] = keys
+            self.values[..., o : o + T, :] = values
+        else:  # one scatter for all rows: row b's T positions after its offset
+            at = mx.array(self.offsets)[:, None, None, None] + mx.arange(T)[:, None]
+            at = mx.broadcast_to(at, keys.shape)
+            self.keys = mx.put_along_axis(self.keys, at, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, at, values, axis=2)
         self.offsets = [o + T for o in self.offsets]
         k, v = self.keys[..., :end, :], self.values[..., :end, :]
         if self.dtype is not None:
