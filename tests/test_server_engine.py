@@ -169,3 +169,40 @@ def test_state_cache_longest_strict_prefix_and_bounds():
     assert cache.nbytes <= 1000
     cache.insert(_state([5], 5000))  # larger than the bound: not kept
     assert cache.lookup("ngram", [5, 1]) is None and cache.nbytes <= 1000
+
+
+class _Recording(Engine):
+    """Records, before each pass, how many prompts are still prefilling."""
+
+    def _step(self, batch):
+        self.prefilling_at_pass.append(len(self._joining))
+        super()._step(batch)
+
+
+def test_a_long_prompt_joins_mid_run_in_chunks(models):
+    """A 300-token prompt joins while another request decodes: it is
+    prefilled 64 tokens between passes (the other one goes on decoding), and
+    both answers equal mlx-lm's."""
+    model, tok = models["qwen3_next"]
+    tok.eos_token_ids = set()  # run the full lengths
+    engine = _Recording(
+        model, tok, "mtp+ngram", 3, batch_size=2, prefill_chunk=64, start=False
+    )
+    engine.prefilling_at_pass = []
+    try:
+        specs = [(prompts("mixed"), 40), (prompts("random", n=300, seed=3), 12)]
+        jobs = [engine.submit(Job(p, GenerationParams(n))) for p, n in specs]
+        engine.start()
+        for job, (prompt, n) in zip(jobs, specs):
+            events = []
+            while not events or not isinstance(events[-1], (Finished, Exception)):
+                events.append(job.events.get(timeout=300))
+            assert tokens_of(events) == reference_tokens(model, tok, prompt, n)
+        # passes with the long one prefilling: the short one's first, then one
+        # after each of its 299 tokens' chunks but the last; then it decodes
+        chunks = -(-299 // 64)
+        assert engine.prefilling_at_pass[: chunks + 1] == [1] * chunks + [0]
+        assert engine.peak_decoding == 2
+    finally:
+        tok.eos_token_ids = {399}
+        engine.close()

@@ -83,6 +83,13 @@ def setup_parser():
         help="Most requests verified together in one batched pass (default: 4).",
     )
     p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="Prompt tokens prefilled between two decoding passes while other "
+        "requests decode (default: 256).",
+    )
     add_pipeline_flag(p, "serves HTTP")
     p.add_argument(
         "--log-level",
@@ -133,6 +140,7 @@ def main(argv=None):
             cache_entries=args.prompt_cache_size,
             prefill_step_size=args.prefill_step_size,
             batch_size=args.decode_concurrency,
+            prefill_chunk=args.prefill_chunk,
             **extra,
         )
     if group is not None and group.rank() != 0:

@@ -2,11 +2,14 @@
 the requests in flight verified together in one target pass per step.
 
 HTTP threads hand a :class:`Job` to :meth:`Engine.submit` and read its
-events. One worker thread owns the model: between passes it admits waiting
-jobs while the batch has room (each prefilled alone, continuing the longest
-kept decoder state its prompt extends, so only new tokens are prefilled),
-then runs one :class:`BatchDecoder` step for all of them, and lets finished
-or cancelled ones leave, keeping their state for a later turn.
+events. One worker thread owns the model: between passes it takes waiting jobs
+while the batch has room (each continuing the longest kept decoder state its
+prompt extends, so only new tokens are prefilled), prefills them in chunks of
+``prefill_chunk`` tokens, one chunk between two passes while requests decode
+(so a long prompt joining never stalls the others for its whole prefill),
+back to back while nothing decodes; a prompt prefilled joins the batch. Then
+it runs one :class:`BatchDecoder` step for every decoding job and lets
+finished or cancelled ones leave, keeping their state for a later turn.
 
 A job's events: ``Started`` once (prompt and cached token counts), then
 ``Token``, ``Segment`` (content or reasoning) and ``ToolCall`` events, then
@@ -19,7 +22,8 @@ import pickle
 import queue
 import threading
 import time
-from dataclasses import asdict
+from collections import deque
+from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Union
 
 import mlx.core as mx
@@ -96,6 +100,19 @@ def _top(logprobs: mx.array, n: int) -> List[tuple]:
     return list(zip(ids[order].tolist(), values[order].tolist()))
 
 
+@dataclass
+class _Joining:
+    """A job whose prompt is being prefilled, chunk by chunk."""
+
+    job: Job
+    draft: str
+    num_draft_tokens: Union[int, str]
+    decoder: SpeculativeDecoder
+    todo: List[int]  # prompt tokens still to feed, all but the last one
+    last: List[int]  # the prompt's last token: pending when it joins
+    keep: bool  # keep the state before the last token (see _admit)
+
+
 class Engine:
     """Owns the model and the kept states; decodes on one worker thread."""
 
@@ -111,10 +128,14 @@ class Engine:
         cache_entries: int = 10,
         prefill_step_size: int = 2048,
         batch_size: int = 4,
+        prefill_chunk: int = 256,
         start: bool = True,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.model, self.tokenizer = model, tokenizer
         self.draft, self.num_draft_tokens = draft, num_draft_tokens
         self.max_ngram, self.prefill_step_size = max_ngram, prefill_step_size
@@ -122,6 +143,7 @@ class Engine:
         self.states = StateCache(cache_bytes, cache_entries)
         self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._live: Dict[int, _Output] = {}
+        self._joining: "deque[_Joining]" = deque()  # prefilling, in arrival order
         self._closing = False
         self.peak_decoding = 0  # most requests verified in one pass so far
         self._worker = threading.Thread(target=self._work, name="mlx_spec-engine")
@@ -156,6 +178,7 @@ class Engine:
         return {
             "busy": bool(self._live),
             "decoding": len(self._live),
+            "prefilling": len(self._joining),
             "peak_decoding": self.peak_decoding,
             "queued": self._jobs.qsize(),
             "kept_states": self.states.histories(),
@@ -169,12 +192,14 @@ class Engine:
         )
 
     def _incoming(self, free: int) -> List[Job]:
-        """The jobs to admit before the next pass (at most ``free``); waits
-        for one only when nothing is decoding. Sees the closing request."""
+        """The jobs to start before the next pass (at most ``free``); waits
+        for one only when nothing is decoding or prefilling. Sees the
+        closing request."""
         jobs = []
         while len(jobs) < free and not self._closing:
             try:
-                job = self._jobs.get(block=not (self._live or jobs))
+                busy = self._live or self._joining or jobs
+                job = self._jobs.get(block=not busy)
             except queue.Empty:
                 break
             if job is None:
@@ -185,9 +210,10 @@ class Engine:
 
     def _work(self):
         batch = self._new_batch()
-        while not (self._closing and not self._live):
-            for job in self._incoming(batch.free):
-                self._admit(batch, job)
+        while not (self._closing and not self._live and not self._joining):
+            for job in self._incoming(batch.free - len(self._joining)):
+                self._start(job)
+            self._prefill(batch)
             if self._live:
                 try:
                     self._step(batch)
@@ -198,60 +224,97 @@ class Engine:
                     self._live.clear()
                     batch = self._new_batch()
 
-    def _admit(self, batch: BatchDecoder, job: Job):
+    def _start(self, job: Job):
+        """The job's decoder, from the longest kept state its prompt extends;
+        it joins the prefilling jobs."""
         try:
-            draft, num_draft_tokens, decoder = self._prefill(job)
             p = job.params
-            if p.seed is not None:
-                mx.random.seed(p.seed)
-            sampler = make_sampler(p.temperature, p.top_p, p.min_p, 1, top_k=p.top_k)
-            output = _Output(job, self.tokenizer, draft)
-            id = batch.add(
-                decoder,
-                p.max_tokens,
-                sampler,
-                num_draft_tokens,
-                stop_tokens=self.tokenizer.eos_token_ids,
+            draft = p.draft or self.draft
+            num_draft_tokens = (
+                self.num_draft_tokens
+                if p.num_draft_tokens is None
+                else p.num_draft_tokens
             )
-            self._live[id] = output
+            if draft == "none":
+                num_draft_tokens = 0
+            check_options(p.max_tokens, draft, num_draft_tokens)
+            drafter = make_drafter(draft, self.model, max_ngram=self.max_ngram)
+            decoder = SpeculativeDecoder(
+                self.model,
+                drafter,
+                max_draft=max(most_drafts(num_draft_tokens), 1),
+                rollback=self.rollback,
+                prefill_step_size=self.prefill_step_size,
+                stats=SpecStats(),
+            )
+            new = job.prompt
+            state = self.states.lookup(draft, job.prompt)
+            if state is not None:
+                restore(decoder, state, copy_caches=True)
+                new = job.prompt[len(state.history) :]
+            job.events.put(Started(len(job.prompt), len(job.prompt) - len(new)))
+            self._joining.append(
+                _Joining(
+                    job,
+                    draft,
+                    num_draft_tokens,
+                    decoder,
+                    new[:-1],
+                    new[-1:],
+                    len(new) > 1,
+                )
+            )
         except Exception as e:  # reported to its client; the others go on
             log.exception("request failed")
             job.events.put(e)
 
-    def _prefill(self, job: Job):
-        """The job's decoder, fed its whole prompt (one token pending)."""
-        p = job.params
-        draft = p.draft or self.draft
-        num_draft_tokens = (
-            self.num_draft_tokens if p.num_draft_tokens is None else p.num_draft_tokens
-        )
-        if draft == "none":
-            num_draft_tokens = 0
-        check_options(p.max_tokens, draft, num_draft_tokens)
-        drafter = make_drafter(draft, self.model, max_ngram=self.max_ngram)
-        decoder = SpeculativeDecoder(
-            self.model,
-            drafter,
-            max_draft=max(most_drafts(num_draft_tokens), 1),
-            rollback=self.rollback,
-            prefill_step_size=self.prefill_step_size,
-            stats=SpecStats(),
-        )
-        new = job.prompt
-        state = self.states.lookup(draft, job.prompt)
-        if state is not None:
-            restore(decoder, state, copy_caches=True)
-            new = job.prompt[len(state.history) :]
-        job.events.put(Started(len(job.prompt), len(job.prompt) - len(new)))
-        if len(new) > 1:
+    def _prefill(self, batch: BatchDecoder):
+        """Feed the joining prompts: ``prefill_chunk`` tokens in all while
+        requests decode, else the first prompt whole (in chunks); a prompt
+        fed joins the batch."""
+        if not self._joining:
+            return
+        budget = self.prefill_chunk if self._live else len(self._joining[0].todo)
+        while self._joining:
+            j = self._joining[0]
+            n = min(self.prefill_chunk, budget, len(j.todo))
+            if j.todo and n == 0:
+                return  # the budget is spent
+            try:
+                if n:
+                    j.decoder.feed(j.todo[:n])
+                    j.todo, budget = j.todo[n:], budget - n
+                done = not j.todo
+                if done:
+                    self._admit(batch, j)
+            except Exception as e:  # reported to its client; the others go on
+                done = True
+                log.exception("request failed")
+                j.job.events.put(e)
+            if done:
+                self._joining.popleft()
+
+    def _admit(self, batch: BatchDecoder, j: _Joining):
+        """A prompt fed up to its last token joins the batch."""
+        if j.keep:
             # Keep the state before the prompt's last token: the next turn's
             # prompt extends it even when this reply is tokenized differently
             # there (or a client sends the same conversation again).
-            decoder.feed(new[:-1])
-            self.states.insert(capture(decoder, copy_caches=True))
-            new = new[-1:]
-        decoder.feed(new)
-        return draft, num_draft_tokens, decoder
+            self.states.insert(capture(j.decoder, copy_caches=True))
+        j.decoder.feed(j.last)
+        p = j.job.params
+        if p.seed is not None:
+            mx.random.seed(p.seed)
+        sampler = make_sampler(p.temperature, p.top_p, p.min_p, 1, top_k=p.top_k)
+        output = _Output(j.job, self.tokenizer, j.draft)
+        id = batch.add(
+            j.decoder,
+            p.max_tokens,
+            sampler,
+            j.num_draft_tokens,
+            stop_tokens=self.tokenizer.eos_token_ids,
+        )
+        self._live[id] = output
 
     def _step(self, batch: BatchDecoder):
         self.peak_decoding = max(self.peak_decoding, len(batch.active))
