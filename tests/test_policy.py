@@ -228,3 +228,22 @@ def test_profile_time_is_not_prompt_time(models, fresh_profiles, monkeypatch):
         pass
     assert stats.profile_seconds >= 1000.0
     assert r.prompt_tps > len(prompt) / 100.0
+
+
+def test_drafting_passes_are_anchored_by_timed_plain_passes():
+    """While drafting pays, a pass without drafts is still timed now and then
+    (about one in 28), so the cost of k = 0 is measured, not extrapolated."""
+    policy = DraftLengthPolicy([1e-3] * 9)
+    for _ in range(20):
+        policy.update(2, 2)
+    choices = []
+    for _ in range(200):
+        k = policy.choose(2)
+        choices.append(k)
+        policy.observe_pass(k, 1e-3 * (1 + k))
+        if k:
+            policy.update(k, k)
+    plain = [i for i, k in enumerate(choices) if k == 0]
+    assert 4 <= len(plain) <= 12  # about 200 / 28, plus the warm-up pass
+    assert choices.count(2) >= 180
+    assert policy.fitted_costs()[1] == pytest.approx(1e-3, rel=0.2)

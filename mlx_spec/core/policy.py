@@ -40,6 +40,10 @@ _PROBE_EVERY = 16
 _COST_DECAY = 0.95  # forgetting of older passes in the learned pass cost
 # Trust in the host-timed draft cost, in one-draft passes' worth of evidence.
 _SLOPE_PRIOR_WEIGHT = 0.5
+# While drafting, a pass without drafts is timed once the last one's weight
+# (decaying with _COST_DECAY per pass) falls below this: about every 28 passes,
+# so the cost line is anchored at k = 0, not extrapolated to it.
+_PLAIN_PROBE_WEIGHT = 0.25
 # Context lengths (tokens before a pass) the verify costs are measured at.
 PROFILE_CONTEXTS = (32, 1056)
 
@@ -214,6 +218,7 @@ class DraftLengthPolicy:
         # Decayed sums over observed passes of (1, k, k^2, r, k r), r being a
         # pass's seconds beyond its verify forward: fit r = extra + slope k.
         self._fit = [0.0] * 5
+        self._plain_weight = 0.0  # decayed count of timed passes without drafts
         self._warm: set = set()  # draft counts past their first (warm-up) pass
         self.passes_at_zero = 0
         self.last_choice = 0
@@ -285,6 +290,8 @@ class DraftLengthPolicy:
                 best = 1  # re-probe: acceptance may have changed
         else:
             self.passes_at_zero = 0
+            if best and self._fit[0] and self._plain_weight < _PLAIN_PROBE_WEIGHT:
+                best = 0  # a cost probe: what a plain pass takes now
         if self.group is not None:
             best = from_rank0(self.group, best)
         self.last_choice = best
@@ -316,6 +323,7 @@ class DraftLengthPolicy:
         if n_drafted not in self._warm:  # the first pass of a shape pays warm-up
             self._warm.add(n_drafted)
             return
+        self._plain_weight = _COST_DECAY * self._plain_weight + (n_drafted == 0)
         k, r = n_drafted, seconds - self.verify_cost(n_drafted, context)
         self._fit = [
             _COST_DECAY * old + new
