@@ -140,11 +140,28 @@ def main():
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--context-chars", type=int, default=6000)
     p.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["copy-function", "edit-class", "free-main", "free-class"]
+        + ["long-context"],
+        help="the bench workloads the clients send, by name (default: the "
+        "five of 27 to 2,119 tokens, as in the README)",
+    )
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="extra arguments for the mlx_spec servers, e.g. '--prefill-chunk 128'",
+    )
+    p.add_argument(
         "--servers", nargs="+", default=["mlx_spec", "mlx_spec-serial", "mlx_lm"]
     )
     args = p.parse_args()
     _, tok = mlx_spec.load(args.model)
-    prompts = [w["prompt"] for w in load_workloads(tokenizer=tok)]
+    prompts = [
+        w["prompt"]
+        for w in load_workloads(tokenizer=tok)
+        if w["name"] in args.workloads
+    ]
     context = "\n\n".join(prompts)[: args.context_chars]
     print(json.dumps(machine_info()), flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_server_"))
@@ -153,9 +170,8 @@ def main():
         port = free_port()
         if name.startswith("mlx_spec"):
             concurrency = "1" if name.endswith("serial") else "8"
-            argv = mlx_spec_server(
-                args.model, port, "--decode-concurrency", concurrency
-            )
+            extra = ["--decode-concurrency", concurrency] + args.server_args.split()
+            argv = mlx_spec_server(args.model, port, *extra)
         else:
             argv = [sys.executable, "-m", "mlx_lm.server", "--model", args.model]
             argv += ["--port", str(port), "--host", "127.0.0.1"]

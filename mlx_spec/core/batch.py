@@ -194,7 +194,7 @@ class BatchDecoder:
         active = [b for b, r in enumerate(self.rows) if not r.done]
         if not active:
             return {}
-        ks = {b: self._draft_length(self.rows[b]) for b in active}
+        ks = self._draft_lengths(active)
         head_seconds = self._draft_heads(ks)
         drafts, seconds = {}, {}
         for b in active:
@@ -231,10 +231,24 @@ class BatchDecoder:
             c.lengths = None
         return out
 
-    def _draft_length(self, row: _Row) -> int:
-        room = min(row.max_draft, row.remaining - 1)
-        k = row.policy.choose(room) if row.policy else room
-        return k if row.decoder.drafter is not None else 0
+    def _draft_lengths(self, active: List[int]) -> Dict[int, int]:
+        """Each active row's draft length: its own choice (its policy's, or
+        its fixed number); then an ``auto`` row drafting less than the
+        longest draft drafts up to that length, as far as it may: the pass
+        computes every row over the same ``1 + longest`` positions, so those
+        drafts cost no verify time (the head steps run for the longest
+        draft anyway)."""
+        ks, caps = {}, {}
+        for b in active:
+            row = self.rows[b]
+            room = min(row.max_draft, row.remaining - 1)
+            context = len(row.decoder.history)
+            ks[b] = row.policy.choose(room, context) if row.policy else room
+            caps[b] = min(room, row.decoder.max_draft) if row.policy else ks[b]
+            if row.decoder.drafter is None:
+                ks[b] = caps[b] = 0
+        longest = max(ks.values())
+        return {b: max(k, min(longest, caps[b])) for b, k in ks.items()}
 
     def _draft_heads(self, ks: Dict[int, int]) -> Dict[int, float]:
         """Catch up and draft the rows whose drafts come from the batch's MTP
