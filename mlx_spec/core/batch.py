@@ -30,6 +30,7 @@ import mlx.core as mx
 from ..models.gdn import make_verifiable
 from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
+from .batch_policy import PassLength
 from .decode import SpeculativeDecoder
 from .policy import DraftLengthPolicy, verify_cost_profile
 from .ragged_cache import RaggedKVCache
@@ -95,6 +96,7 @@ class BatchDecoder:
         self.target = Target(model, self)
         self.rows: List[_Row] = []  # the batch's rows, in cache order
         self.heads: Optional[MTPBatch] = None  # the rows' MTP heads, run together
+        self.lengths: Optional[PassLength] = None  # the auto rows' shared length
         self._next_id = 0
 
     @property
@@ -142,9 +144,9 @@ class BatchDecoder:
         policy = None
         if auto:  # costs of one sequence's passes (measured once per model)
             costs = verify_costs or verify_cost_profile(self.model)
-            policy = DraftLengthPolicy(
-                costs, self.max_draft, pipeline_group(self.model)
-            )
+            group = pipeline_group(self.model)
+            policy = DraftLengthPolicy(costs, self.max_draft, group)
+            self.lengths = self.lengths or PassLength(costs, group)
         id, self._next_id = self._next_id, self._next_id + 1
         row = _Row(id, decoder, sampler, policy, most, max_tokens, set(stop_tokens))
         self.rows.append(row)
@@ -194,6 +196,7 @@ class BatchDecoder:
         active = [b for b, r in enumerate(self.rows) if not r.done]
         if not active:
             return {}
+        tic = time.perf_counter()
         ks = self._draft_lengths(active)
         head_seconds = self._draft_heads(ks)
         drafts, seconds = {}, {}
@@ -229,24 +232,42 @@ class BatchDecoder:
         for c in self.gdn:
             c.commit(kept[0] if B == 1 else kept)
             c.lengths = None
+        if self.lengths is not None:
+            self.lengths.observe(B, T, time.perf_counter() - tic)
         return out
 
     def _draft_lengths(self, active: List[int]) -> Dict[int, int]:
-        """Each active row's draft length: its own choice (its policy's, or
-        its fixed number); then an ``auto`` row drafting less than the
-        longest draft drafts up to that length, as far as it may: the pass
-        computes every row over the same ``1 + longest`` positions, so those
-        drafts cost no verify time (the head steps run for the longest
-        draft anyway)."""
-        ks, caps = {}, {}
+        """Each active row's draft length. A fixed number stays; ``auto``
+        rows share the length :class:`PassLength` chooses for the batch (a
+        row alone: its own policy's choice). Then an ``auto`` row drafting
+        less than the longest draft drafts up to that length as far as it
+        may: the pass computes every row over the same ``1 + longest``
+        positions, so those drafts cost no verify time (and the head steps
+        run for the longest draft anyway)."""
+        ks, caps, auto = {}, {}, []
         for b in active:
             row = self.rows[b]
             room = min(row.max_draft, row.remaining - 1)
-            context = len(row.decoder.history)
-            ks[b] = row.policy.choose(room, context) if row.policy else room
-            caps[b] = min(room, row.decoder.max_draft) if row.policy else ks[b]
             if row.decoder.drafter is None:
                 ks[b] = caps[b] = 0
+            elif row.policy is None:
+                ks[b] = caps[b] = room
+            else:
+                caps[b] = min(room, row.decoder.max_draft)
+                auto.append(b)
+        if len(auto) == len(self.rows) == 1:  # alone: as one sequence
+            (b,) = auto
+            row = self.rows[b]
+            room = min(row.max_draft, row.remaining - 1)
+            ks[b] = row.policy.choose(room, len(row.decoder.history))
+        elif auto:
+            k = self.lengths.choose(
+                len(self.rows),
+                [(self.rows[b].policy.acceptance(), caps[b]) for b in auto],
+                max(ks.values(), default=0),
+                float(len(ks)),  # rows not auto: one token each, at least
+            )
+            ks.update({b: min(k, caps[b]) for b in auto})
         longest = max(ks.values())
         return {b: max(k, min(longest, caps[b])) for b, k in ks.items()}
 

@@ -1,0 +1,111 @@
+"""One draft length for the ``auto`` rows of a batch pass.
+
+Alone, a sequence's ``auto`` policy weighs a pass of ``1 + k`` tokens by the
+single-sequence verify profile. In a batch every row is computed over the
+same ``T = 1 + the longest draft`` positions, so a pass costs about
+
+    alpha + beta * B * T + gamma * (T > 1)
+
+(measured on CPU: the forward grows with the tokens it computes, ``B * T``,
+over a fixed part; a pass that drafts also pays the drafters' fixed work,
+e.g. the MTP head catching up on the accepted rows). One row's longer draft
+makes every row pay, which a row's own profile undercounts. So with two or
+more rows the ``auto`` rows share one draft length ``k``: the one maximising
+
+    sum over auto rows of E_b(k)  /  cost(B, 1 + k)
+
+``E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` from each row's own acceptance
+estimates (its :class:`~mlx_spec.core.policy.DraftLengthPolicy`, which keeps
+learning from the row's passes). The cost starts from the single-sequence
+profile (a line through it, gamma = 0) and is refitted from the batch's own
+timed passes (decayed least squares, the profile as prior passes). After
+``PROBE_EVERY`` passes at ``k = 0``, one pass drafts one token, so
+acceptance that improves is noticed.
+"""
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+from ..models.pipeline import from_rank0
+
+DECAY = 0.95  # weight of older passes in the cost fit
+PRIOR_WEIGHT = 4.0  # the profile counts as this many passes
+PROBE_EVERY = 16
+GAMMA_PULL = 0.1  # what stays of the pull of gamma towards 0
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """Tokens a pass with ``k`` drafts yields on average (accepted + 1)."""
+    tokens, survive = 1.0, 1.0
+    for a in acceptance[:k]:
+        survive *= a
+        tokens += survive
+    return tokens
+
+
+def _features(rows: int, T: int) -> np.ndarray:
+    return np.array([1.0, rows * T, float(T > 1)])
+
+
+class PassLength:
+    """The shared draft length of a batch's ``auto`` rows, and the batch's
+    pass-cost model. ``verify_costs``: the single-sequence profile
+    (seconds, index 0 = 1 token)."""
+
+    def __init__(self, verify_costs: Sequence[float], group=None):
+        self.group = group
+        n = len(verify_costs)
+        beta = max((verify_costs[-1] - verify_costs[0]) / max(n - 1, 1), 1e-6)
+        prior = np.array([max(verify_costs[0] - beta, 0.0), beta, 0.0])
+        # Normal equations of the decayed least squares: the profile's line
+        # as PRIOR_WEIGHT passes spread over T = 1..n, plus a pull of gamma
+        # towards 0 (while every pass drafts, gamma and alpha are told apart
+        # only by it and the prior).
+        self._A = np.diag([0.0, 0.0, PRIOR_WEIGHT])
+        self._b = np.zeros(3)
+        for T in range(1, n + 1):
+            f = _features(1, T) * [1, 1, 0]
+            self._A += PRIOR_WEIGHT / n * np.outer(f, f)
+            self._b += PRIOR_WEIGHT / n * f * (f @ prior)
+        self.passes_at_zero = 0
+
+    def cost(self, rows: int, T: int) -> float:
+        """Seconds of a pass over ``rows`` rows of ``T`` positions."""
+        theta = np.linalg.solve(self._A, self._b)
+        return max(float(_features(rows, T) @ theta), 1e-9)
+
+    def observe(self, rows: int, T: int, seconds: float):
+        """A pass over ``rows`` rows of ``T`` positions took ``seconds``."""
+        if not 0 < seconds < 60:
+            return  # a clock anomaly
+        f = _features(rows, T)
+        self._A = DECAY * self._A + np.outer(f, f)
+        self._b = DECAY * self._b + f * seconds
+        self._A[2, 2] += (1 - DECAY) * GAMMA_PULL  # never singular
+
+    def choose(
+        self,
+        rows: int,
+        auto: List[Tuple[Sequence[float], int]],
+        fixed: int = 0,
+        others: float = 0.0,
+    ) -> int:
+        """The draft length of the auto rows, each given as (acceptance,
+        most drafts it may make); ``rows``: rows the pass computes;
+        ``fixed``: the longest draft of the other rows (the pass computes at
+        least ``1 + fixed`` positions); ``others``: their expected tokens."""
+        limit = max(cap for _, cap in auto)
+
+        def speed(k: int) -> float:
+            tokens = others + sum(expected_tokens(a, min(k, c)) for a, c in auto)
+            return tokens / self.cost(rows, 1 + max(k, fixed))
+
+        best = max(range(limit + 1), key=speed)
+        if best == 0 and limit > 0:
+            self.passes_at_zero += 1
+            if self.passes_at_zero % PROBE_EVERY == 0:
+                best = 1  # re-probe: acceptance may have changed
+        else:
+            self.passes_at_zero = 0
+        return best if self.group is None else from_rank0(self.group, best)

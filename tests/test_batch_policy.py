@@ -1,0 +1,41 @@
+"""The shared draft length of a batch's auto rows and its pass-cost model."""
+
+import pytest
+
+from mlx_spec.core.batch_policy import PROBE_EVERY, PassLength
+
+# A single-sequence profile: 5 ms plus 1 ms per token verified (T = 1..9).
+PROFILE = [0.005 + 0.001 * T for T in range(1, 10)]
+
+
+def test_drafts_get_shorter_as_the_batch_grows():
+    """Every row's longer draft costs every row: the more rows, the shorter
+    the shared draft (acceptance 0.8 at every position)."""
+    policy = PassLength(PROFILE)
+    ks = [policy.choose(B, [([0.8] * 8, 8)] * B) for B in (1, 2, 4, 8)]
+    assert ks == sorted(ks, reverse=True) and ks[0] == 4 and ks[-1] == 1
+
+
+def test_rows_whose_drafts_fail_decode_plainly_with_a_probe():
+    policy = PassLength(PROFILE)
+    ks = [policy.choose(2, [([0.0] * 8, 8)] * 2) for _ in range(PROBE_EVERY)]
+    assert ks == [0] * (PROBE_EVERY - 1) + [1]
+
+
+def test_a_longer_fixed_draft_elsewhere_is_free_to_match():
+    """The pass computes 1 + 5 positions anyway: an auto row may as well
+    draft up to 5, even with poor acceptance."""
+    policy = PassLength(PROFILE)
+    assert policy.choose(2, [([0.3] * 8, 8)], fixed=5, others=1.0) == 5
+
+
+def test_the_cost_model_learns_the_batch_passes():
+    """Passes that really cost 2 ms + 3 ms per token computed, plus 4 ms
+    whenever they draft: after enough of them the model predicts that."""
+    policy = PassLength(PROFILE)
+    for i in range(300):
+        B, T = 1 + i % 4, 1 + i % 5
+        policy.observe(B, T, 0.002 + 0.003 * B * T + 0.004 * (T > 1))
+    for B, T in ((1, 1), (4, 1), (4, 3), (8, 6)):
+        want = 0.002 + 0.003 * B * T + 0.004 * (T > 1)
+        assert policy.cost(B, T) == pytest.approx(want, rel=0.02)
