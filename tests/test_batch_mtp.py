@@ -124,3 +124,18 @@ def test_batched_heads_draft_each_row_as_alone(cycle_model):
         assert (stats.drafted, stats.accepted, stats.verify_passes) == counters
         assert stats.accepted > 0
     assert batch.heads.members == []
+
+
+def test_a_full_ngram_match_is_copied_without_running_the_head(models):
+    """mtp+ngram takes a full max_ngram match as is: it needs no head state,
+    so the accepted rows stay deferred (a batch does not catch that row up)."""
+    model, _ = models["qwen3_next"]
+    drafter = make_drafter("mtp+ngram", model)
+    prompt = [5, 6, 7, 8, 9] * 4
+    hidden = mx.random.normal((len(prompt) - 1, model.mtp_head.hidden_size))
+    drafter.reset(prompt, hidden)
+    drafter.accept([5], mx.random.normal((1, model.mtp_head.hidden_size)))
+    assert drafter.mtp.pending_rows == 1 and not drafter.needs_head_state(3)
+    assert drafter.draft(3) == [6, 7, 8] and drafter.mtp.pending_rows == 1
+    drafter.accept([6, 2], mx.random.normal((2, model.mtp_head.hidden_size)))
+    assert drafter.needs_head_state(3)  # no match for (6, 2): the head drafts

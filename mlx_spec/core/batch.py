@@ -278,10 +278,11 @@ class BatchDecoder:
         if self.heads is None:
             return {}
         index = {id(m): i for i, m in enumerate(self.heads.members)}
-        rows = {}  # row -> member index, for rows drafting this pass
+        rows = {}  # row -> member index, for rows drafting from the head's state
         for b, k in ks.items():
-            mtp = head_drafter(self.rows[b].decoder.drafter)
-            if k > 0 and id(mtp) in index:
+            drafter = self.rows[b].decoder.drafter
+            mtp = head_drafter(drafter)
+            if k > 0 and id(mtp) in index and drafter.needs_head_state(k):
                 rows[b] = index[id(mtp)]
         self.heads.catch_up([self.heads.members[i] for i in rows.values()])
         tic = time.perf_counter()

@@ -98,15 +98,22 @@ class MTPBatch:
         """Run the deferred rows of ``mtps`` (members) in one forward, and
         evaluate it, so that timing the following draft measures drafting
         alone. A member with ``PENDING_ROWS`` deferred rows joins in anyway,
-        which bounds what a member holds."""
-        wanted = {}
-        for b, m in enumerate(self.members):
-            if any(m is x for x in mtps) or m.pending_rows >= PENDING_ROWS:
-                rows = m.take_pending()
-                if rows is not None:
-                    wanted[b] = rows
-        if not wanted:
+        which bounds what a member holds; so does any member with no more
+        rows than the forward's length (its positions are computed anyway)."""
+        needed = [
+            b
+            for b, m in enumerate(self.members)
+            if m.pending_rows
+            and (any(m is x for x in mtps) or m.pending_rows >= PENDING_ROWS)
+        ]
+        if not needed:
             return
+        L = max(self.members[b].pending_rows for b in needed)
+        wanted = {
+            b: m.take_pending()
+            for b, m in enumerate(self.members)
+            if 0 < m.pending_rows <= L
+        }
         lengths = {b: t.size for b, (t, _) in wanted.items()}
         hm = self._rows(wanted, max(lengths.values()))  # [B, L, H]
         index = [lengths.get(b, 1) - 1 for b in range(len(self.members))]

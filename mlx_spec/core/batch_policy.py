@@ -68,18 +68,21 @@ class PassLength:
             f = _features(1, T) * [1, 1, 0]
             self._A += PRIOR_WEIGHT / n * np.outer(f, f)
             self._b += PRIOR_WEIGHT / n * f * (f @ prior)
+        self._theta = None  # the fitted (alpha, beta, gamma)
         self.passes_at_zero = 0
 
     def cost(self, rows: int, T: int) -> float:
         """Seconds of a pass over ``rows`` rows of ``T`` positions."""
-        theta = np.linalg.solve(self._A, self._b)
-        return max(float(_features(rows, T) @ theta), 1e-9)
+        if self._theta is None:
+            self._theta = np.linalg.solve(self._A, self._b)
+        return max(float(_features(rows, T) @ self._theta), 1e-9)
 
     def observe(self, rows: int, T: int, seconds: float):
         """A pass over ``rows`` rows of ``T`` positions took ``seconds``."""
         if not 0 < seconds < 60:
             return  # a clock anomaly
         f = _features(rows, T)
+        self._theta = None  # refitted when next needed
         self._A = DECAY * self._A + np.outer(f, f)
         self._b = DECAY * self._b + f * seconds
         self._A[2, 2] += (1 - DECAY) * GAMMA_PULL  # never singular

@@ -89,11 +89,18 @@ class MTPNgramDrafter(Drafter):
     def prefer_copy(self, copy: List[int]) -> bool:
         """Copy or MTP, decided before the head drafts: the copy when there
         is no head row yet (one-token prompt), when the match is a full
-        ``max_ngram``-gram, or when the head's next token agrees with it."""
-        logits = self.mtp.next_logits()
-        if logits is None or self.ngram.match_length() >= self.ngram.max_ngram:
+        ``max_ngram``-gram, or when the head's next token agrees with it.
+        A full match needs no head state (its deferred rows stay deferred)."""
+        if self.ngram.match_length() >= self.ngram.max_ngram:
             return True
-        return int(mx.argmax(logits).item()) == copy[0]
+        logits = self.mtp.next_logits()
+        return logits is None or int(mx.argmax(logits).item()) == copy[0]
+
+    def needs_head_state(self, k: int) -> bool:
+        """Whether ``draft(k)`` looks at the head's state (runs its deferred
+        rows): not for a copy of a full ``max_ngram`` match, taken as is."""
+        copy = self.ngram.draft(k)
+        return not copy or self.ngram.match_length() < self.ngram.max_ngram
 
     def drafts_with_head(self, k: int) -> bool:
         """Whether ``draft(k)`` runs the head."""

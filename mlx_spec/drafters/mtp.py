@@ -213,6 +213,10 @@ class MTPDrafter(Drafter):
 
     # -- drafting in a batch (mlx_spec.core.batch_mtp runs several heads' rows
     # as one forward; these hand it the row's state and take its results) ----
+    def needs_head_state(self, k: int) -> bool:
+        """Whether ``draft(k)`` looks at the head's state: always."""
+        return True
+
     def drafts_with_head(self, k: int) -> bool:
         """Whether ``draft(k)`` runs the head (no verified row: it drafts nothing)."""
         return self.next_logits() is not None
