@@ -123,8 +123,9 @@ class MTPDrafter(Drafter):
         for start in range(0, n, PREFILL_CHUNK):
             stop = min(n, start + PREFILL_CHUNK)
             self._rows(tokens[start:stop], hidden[start:stop])
-            if stop < n:
-                mx.eval([c.state for c in self.cache])
+            # Every chunk now, the last too: the head's prefill is prompt
+            # processing, not the first verify pass's work.
+            mx.eval([c.state for c in self.cache], self._logits)
 
     @property
     def state(self) -> List[mx.array]:
