@@ -2,7 +2,8 @@
 
 import pytest
 
-from mlx_spec.core.batch_policy import PROBE_EVERY, PassLength
+from mlx_spec.core.batch_policy import PassLength
+from mlx_spec.core.policy import PROBE_EVERY
 
 # A single-sequence profile: 5 ms plus 1 ms per token verified (T = 1..9).
 PROFILE = [0.005 + 0.001 * T for T in range(1, 10)]

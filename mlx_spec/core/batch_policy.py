@@ -28,10 +28,10 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from ..models.pipeline import from_rank0
+from .policy import reprobe
 
 DECAY = 0.95  # weight of older passes in the cost fit
 PRIOR_WEIGHT = 4.0  # the profile counts as this many passes
-PROBE_EVERY = 16
 GAMMA_PULL = 0.1  # what stays of the pull of gamma towards 0
 
 
@@ -104,11 +104,5 @@ class PassLength:
             tokens = others + sum(expected_tokens(a, min(k, c)) for a, c in auto)
             return tokens / self.cost(rows, 1 + max(k, fixed))
 
-        best = max(range(limit + 1), key=speed)
-        if best == 0 and limit > 0:
-            self.passes_at_zero += 1
-            if self.passes_at_zero % PROBE_EVERY == 0:
-                best = 1  # re-probe: acceptance may have changed
-        else:
-            self.passes_at_zero = 0
+        best = reprobe(self, max(range(limit + 1), key=speed), limit)
         return best if self.group is None else from_rank0(self.group, best)

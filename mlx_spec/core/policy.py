@@ -36,7 +36,7 @@ from ..models.pipeline import from_rank0
 _PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
 # Exponential forgetting: acceptance drifts with the content being generated.
 _DECAY = 0.97
-_PROBE_EVERY = 16
+PROBE_EVERY = 16  # passes at k = 0 between one-draft probes
 _COST_DECAY = 0.95  # forgetting of older passes in the learned pass cost
 # Trust in the host-timed draft cost, in one-draft passes' worth of evidence.
 _SLOPE_PRIOR_WEIGHT = 0.5
@@ -192,6 +192,16 @@ def _write_profile(key: str, costs: List[float]):
             Path(f.name).unlink(missing_ok=True)
 
 
+def reprobe(policy, best: int, limit: int) -> int:
+    """``best``, except one draft after every ``PROBE_EVERY`` passes at k = 0
+    (acceptance may have changed); counts ``policy.passes_at_zero``."""
+    if best == 0 and limit > 0:
+        policy.passes_at_zero += 1
+        return 1 if policy.passes_at_zero % PROBE_EVERY == 0 else 0
+    policy.passes_at_zero = 0
+    return best
+
+
 class DraftLengthPolicy:
     """Online choice of the number of drafts per verify pass.
 
@@ -284,14 +294,9 @@ class DraftLengthPolicy:
         """Drafts for the next pass (after ``context`` tokens), at most ``limit``."""
         limit = min(limit, self.max_draft)
         best = max(range(limit + 1), key=lambda k: self.expected_speed(k, context))
-        if best == 0 and limit > 0:
-            self.passes_at_zero += 1
-            if self.passes_at_zero % _PROBE_EVERY == 0:
-                best = 1  # re-probe: acceptance may have changed
-        else:
-            self.passes_at_zero = 0
-            if best and self._fit[0] and self._plain_weight < _PLAIN_PROBE_WEIGHT:
-                best = 0  # a cost probe: what a plain pass takes now
+        best = reprobe(self, best, limit)
+        if best and self._fit[0] and self._plain_weight < _PLAIN_PROBE_WEIGHT:
+            best = 0  # a cost probe: what a plain pass takes now
         if self.group is not None:
             best = from_rank0(self.group, best)
         self.last_choice = best
