@@ -4,6 +4,7 @@ from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from . import mlx_lm_compat
 from .models.fast_layers import enable_fast_layers
@@ -37,6 +38,13 @@ def upcast_experts_on_cpu(model):
     half = (mx.bfloat16, mx.float16)
     head = getattr(model, "__dict__", {}).get("mtp_head")  # not a child module
     modules = [m for m in (model, head) if m is not None]
+    quantized = (
+        nn.QuantizedLinear,
+        nn.QuantizedEmbedding,
+        mlx_lm_compat.QuantizedSwitchLinear,
+    )
+    if any(isinstance(sub, quantized) for _, sub in model.named_modules()):
+        return model  # a quantized model keeps its dtypes (and its scales)
     if any(
         isinstance(sub, mlx_lm_compat.SwitchLinear) and sub.weight.dtype in half
         for m in modules
