@@ -247,3 +247,29 @@ def test_drafting_passes_are_anchored_by_timed_plain_passes():
     assert 4 <= len(plain) <= 12  # about 200 / 28, plus the warm-up pass
     assert choices.count(2) >= 180
     assert policy.fitted_costs()[1] == pytest.approx(1e-3, rel=0.2)
+
+
+def test_passes_are_learned_at_the_context_they_ran_at(models, monkeypatch):
+    """The decode loop times each pass against the verify cost at the context
+    the choice was made at: timed at a short context, a long-context pass's
+    extra verify cost would be counted twice (in the fit and in the profile)."""
+    model, tok = models["qwen3_next"]
+    chosen, observed = [], []
+    choose, observe = DraftLengthPolicy.choose, DraftLengthPolicy.observe_pass
+
+    def spy_choose(self, limit, context=policy.PROFILE_CONTEXTS[0]):
+        chosen.append(context)
+        return choose(self, limit, context)
+
+    def spy_observe(self, n_drafted, seconds, context=policy.PROFILE_CONTEXTS[0]):
+        observed.append(context)
+        return observe(self, n_drafted, seconds, context)
+
+    monkeypatch.setattr(DraftLengthPolicy, "choose", spy_choose)
+    monkeypatch.setattr(DraftLengthPolicy, "observe_pass", spy_observe)
+    prompt = prompts("mixed")
+    spec_tokens(model, tok, prompt, 12, draft="ngram", num_draft_tokens="auto")
+    # the last pass may end in the caller closing the generator: not timed
+    assert observed == chosen[: len(observed)] and len(observed) >= len(chosen) - 1
+    assert len(chosen) >= 2
+    assert chosen[0] == len(prompt) and chosen == sorted(chosen)

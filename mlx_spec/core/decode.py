@@ -291,7 +291,7 @@ def speculative_generate_step(
                 decoder.commit(yielded, process_last=ends, clock=clock)
             if policy:
                 policy.observe_pass(
-                    decoder.drafted, seconds + time.perf_counter() - tic
+                    decoder.drafted, seconds + time.perf_counter() - tic, context
                 )
             history += emitted
     except GeneratorExit:
