@@ -12,9 +12,12 @@ class FakeHead:
     choose = None
 
     def __init__(self, vocab=16):
-        self.vocab, self.d1, self.drafts = vocab, 0, 0
+        self.vocab, self.d1, self.drafts, self.looked = vocab, 0, 0, 0
+
+    has_rows = True
 
     def next_logits(self):
+        self.looked += 1
         return mx.eye(self.vocab)[self.d1]
 
     def draft_tokens(self, k):
@@ -75,3 +78,16 @@ def test_disagreements_are_scored_by_the_targets_next_token():
     assert d.score["mtp"] == 1.0 and d.score["ngram"] == 0.8
     assert d.draft(2) == [7, 7]
     assert d.steps == {"mtp": 2, "ngram": 1}
+
+
+def test_draft_source_names_who_drafts_next_without_running_the_head():
+    d = _drafter()
+    d.ngram.copy, d.mtp.d1 = [], 5
+    assert d.draft_source(3) == "mtp" and d.mtp.looked == 0  # no copy: the head
+    d.mtp.has_rows = False
+    assert d.draft_source(3) is None  # nothing to draft from
+    d.ngram.copy, d.ngram.match = [5, 6], 3
+    assert d.draft_source(3) == "ngram" and d.mtp.looked == 0  # a full match
+    d.ngram.match, d.mtp.d1 = 1, 9  # a partial match the head disagrees with
+    assert d.draft_source(3) == "mtp" and d.mtp.looked == 1
+    assert d.draft(3) == [9, 9, 9] and d.last_draft_source == "mtp"

@@ -6,7 +6,11 @@ import pytest
 
 import mlx_spec
 import mlx_spec.core.policy as policy
-from mlx_spec.core.policy import DraftLengthPolicy, verify_cost_profile
+from mlx_spec.core.policy import (
+    DraftLengthPolicy,
+    SourcePolicies,
+    verify_cost_profile,
+)
 from mlx_spec.drafters.base import MAX_AUTO_DRAFT_TOKENS
 from mlx_spec.testing.reference import (
     OracleDrafter,
@@ -273,3 +277,26 @@ def test_passes_are_learned_at_the_context_they_ran_at(models, monkeypatch):
     assert observed == chosen[: len(observed)] and len(observed) >= len(chosen) - 1
     assert len(chosen) >= 2
     assert chosen[0] == len(prompt) and chosen == sorted(chosen)
+
+
+def test_each_draft_source_has_its_own_draft_length():
+    """Copies always right, head drafts right one time in three: one policy
+    per source drafts long copies and switches the head off (bar its probes);
+    one policy for both (the negative control) learns a mixed acceptance that
+    is too low for the copies to be drafted at all."""
+    costs = [1e-3 * (1 + 0.5 * t) for t in range(9)]
+    split = SourcePolicies(lambda: DraftLengthPolicy(costs))
+    mixed = DraftLengthPolicy(costs)
+    chosen = {(p, s): [] for p in ("split", "mixed") for s in ("ngram", "mtp")}
+    for i in range(300):
+        source = "ngram" if i % 2 else "mtp"
+        for name in ("split", "mixed"):
+            if name == "split":
+                policy, k = split, split.choose(8, 100, source)
+            else:
+                policy, k = mixed, mixed.choose(8, 100)
+            policy.update(k, k if source == "ngram" else min(k, int(i % 6 == 0)))
+            chosen[name, source].append(k)
+    assert chosen["split", "ngram"].count(8) >= 120  # of 150 copy passes
+    assert chosen["split", "mtp"].count(0) >= 130  # of 150 head passes
+    assert chosen["mixed", "ngram"].count(8) < 10

@@ -164,6 +164,11 @@ class SpeculativeDecoder:
         self._verified = (len(draft), n, hidden)
         return draft[:n] + [token], logprobs, n
 
+    def draft_source(self, k: int):
+        """Which of the drafter's sources would draft ``k`` tokens next
+        (None: a one-source drafter)."""
+        return None if self.drafter is None else self.drafter.draft_source(k)
+
     def _draft(self, k: int):
         if self.drafter is None or k == 0:
             return []
@@ -266,7 +271,8 @@ def speculative_generate_step(
             clock.lap("host")
             room = min(max_draft, max_tokens - produced - 1, decoder.draft_room())
             context = len(decoder.history)
-            k = policy.choose(room, context) if policy else room
+            source = decoder.draft_source(room) if policy else None
+            k = policy.choose(room, context, source) if policy else room
             tic = time.perf_counter()
             emitted, logprobs, n = decoder.verify(
                 k, sampler, logits_processors, history, clock

@@ -91,12 +91,39 @@ def verify_cost_profiles(model) -> Tuple[List[float], List[float]]:
 
 
 def make_policy(model, verify_costs: Optional[List[float]] = None, group=None):
-    """The auto policy for ``model``: from ``verify_costs`` (one profile, no
-    growth with context) when given, else from the measured profiles."""
+    """The auto policy for ``model`` (per draft source): from ``verify_costs``
+    (one profile, no growth with context) when given, else from the measured
+    profiles."""
     if verify_costs is not None:
-        return DraftLengthPolicy(verify_costs, group=group)
+        return SourcePolicies(lambda: DraftLengthPolicy(verify_costs, group=group))
     short, long = verify_cost_profiles(model)
-    return DraftLengthPolicy(short, group=group, long_costs=long)
+    return SourcePolicies(
+        lambda: DraftLengthPolicy(short, group=group, long_costs=long)
+    )
+
+
+class SourcePolicies:
+    """One :class:`DraftLengthPolicy` per draft source of a drafter that
+    switches sources (``mtp+ngram``: a copy's acceptance and cost are not the
+    head's). Each pass is chosen, recorded and timed by its source's policy,
+    so a head that does not pay is switched off where it would draft while
+    copies keep their own, longer drafts. Source None: a one-source drafter."""
+
+    def __init__(self, make):
+        self._make, self.by_source = make, {}
+        self.active: Optional[DraftLengthPolicy] = None
+
+    def choose(self, limit: int, context: int, source: Optional[str] = None) -> int:
+        if source not in self.by_source:
+            self.by_source[source] = self._make()
+        self.active = self.by_source[source]
+        return self.active.choose(limit, context)
+
+    def update(self, *args):
+        self.active.update(*args)
+
+    def observe_pass(self, *args):
+        self.active.observe_pass(*args)
 
 
 def measure_verify_costs(

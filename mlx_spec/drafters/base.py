@@ -19,6 +19,8 @@ required; the rest have defaults that a simple drafter never touches:
 - ``draft_tokens(k)``: optional, ``draft`` without a host synchronisation: the
   tokens as a lazy ``mx.array`` [m] that the verify pass evaluates together
   with its own outputs (one synchronisation per pass), or a list.
+- ``draft_source(k)``: for a drafter with several sources (``mtp+ngram``),
+  which one drafts next; ``auto`` keeps a draft-length policy per source.
 - ``catch_up()``: deferred work (e.g. head forwards over accepted rows) done
   now, so that timing the next ``draft`` measures drafting alone.
 - ``state`` / ``restore(history, arrays)``: arrays saved with a chat session
@@ -56,6 +58,11 @@ class Drafter:
 
     def catch_up(self):
         """No deferred work by default."""
+
+    def draft_source(self, k: int) -> Optional[str]:
+        """Which source would draft ``k`` tokens next, for a drafter that
+        switches between sources; None by default (one source)."""
+        return None
 
     @property
     def state(self) -> List[mx.array]:

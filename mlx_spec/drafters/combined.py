@@ -102,6 +102,15 @@ class MTPNgramDrafter(Drafter):
         copy = self.ngram.draft(k)
         return not copy or self.ngram.match_length() < self.ngram.max_ngram
 
+    def draft_source(self, k: int) -> Optional[str]:
+        """"ngram" (a copy), "mtp" (the head) or None (nothing to draft).
+        Without a copy the head is not run to answer (its rows may stay
+        deferred if the policy then drafts nothing)."""
+        copy = self.ngram.draft(k)
+        if not copy:
+            return "mtp" if self.mtp.has_rows else None
+        return "mtp" if self._needs_head(copy) else "ngram"
+
     def drafts_with_head(self, k: int) -> bool:
         """Whether ``draft(k)`` runs the head."""
         return self._needs_head(self.ngram.draft(k))

@@ -87,6 +87,11 @@ class MTPDrafter(Drafter):
         self._run_pending()
         mx.eval(self._logits, [c.state for c in self.cache])
 
+    @property
+    def has_rows(self) -> bool:
+        """Whether the head has a verified row, run or deferred (it can draft)."""
+        return self._logits is not None or bool(self._pending)
+
     def next_logits(self) -> Optional[mx.array]:
         """The head's logits [V] for d_1 of the next draft (None: no row yet)."""
         self._run_pending()
