@@ -32,6 +32,28 @@ def test_never_accepted_drafts_switch_speculation_off():
     assert choices[16:].count(1) <= len(choices[16:]) // 16 + 1
 
 
+def test_failed_probes_back_off_and_an_accepted_one_resets_them():
+    """Probes cost the drafter's catch-up: each rejected probe doubles the
+    wait before the next, up to MAX_PROBE_EVERY; one accepted probe brings
+    back the short interval."""
+    p = DraftLengthPolicy([1 + 0.5 * t for t in range(9)])
+    for _ in range(10):
+        p.update(1, 0)
+    probes = []
+    for i in range(600):
+        k = p.choose(8)
+        if k:
+            probes.append(i)
+        p.update(k, 0)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == policy.PROBE_EVERY - 1 and gaps[:3] == [32, 64, 128]
+    assert set(gaps[2:]) == {policy.MAX_PROBE_EVERY}
+    while not p.choose(8):  # the next probe is accepted
+        p.update(0, 0)
+    p.update(1, 1)
+    assert p.probe_every == policy.PROBE_EVERY
+
+
 def test_always_accepted_drafts_use_the_longest_useful_draft():
     policy = DraftLengthPolicy([1.0] * 9)  # a verify costs the same for any T
     for _ in range(20):

@@ -28,7 +28,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from ..models.pipeline import from_rank0
-from .policy import reprobe
+from .policy import PROBE_EVERY, reprobe
 
 DECAY = 0.95  # weight of older passes in the cost fit
 PRIOR_WEIGHT = 4.0  # the profile counts as this many passes
@@ -69,7 +69,7 @@ class PassLength:
             self._A += PRIOR_WEIGHT / n * np.outer(f, f)
             self._b += PRIOR_WEIGHT / n * f * (f @ prior)
         self._theta = None  # the fitted (alpha, beta, gamma)
-        self.passes_at_zero = 0
+        self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
 
     def cost(self, rows: int, T: int) -> float:
         """Seconds of a pass over ``rows`` rows of ``T`` positions."""

@@ -36,7 +36,11 @@ from ..models.pipeline import from_rank0
 _PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
 # Exponential forgetting: acceptance drifts with the content being generated.
 _DECAY = 0.97
-PROBE_EVERY = 16  # passes at k = 0 between one-draft probes
+PROBE_EVERY = 16  # passes at k = 0 before a one-draft probe
+# Each rejected probe doubles the wait before the next (a probe costs the
+# drafter's catch-up over every deferred row), up to this; an accepted one
+# resets it to PROBE_EVERY.
+MAX_PROBE_EVERY = 128
 _COST_DECAY = 0.95  # forgetting of older passes in the learned pass cost
 # Trust in the host-timed draft cost, in one-draft passes' worth of evidence.
 _SLOPE_PRIOR_WEIGHT = 0.5
@@ -220,13 +224,17 @@ def _write_profile(key: str, costs: List[float]):
 
 
 def reprobe(policy, best: int, limit: int) -> int:
-    """``best``, except one draft after every ``PROBE_EVERY`` passes at k = 0
-    (acceptance may have changed); counts ``policy.passes_at_zero``."""
+    """``best``, except one draft after ``policy.probe_every`` passes at
+    k = 0 (acceptance may have changed); counts ``policy.passes_at_zero`` and
+    sets ``policy.probing`` for a probe."""
+    policy.probing = False
     if best == 0 and limit > 0:
         policy.passes_at_zero += 1
-        return 1 if policy.passes_at_zero % PROBE_EVERY == 0 else 0
+        if policy.passes_at_zero < policy.probe_every:
+            return 0
+        policy.probing = True
     policy.passes_at_zero = 0
-    return best
+    return max(best, policy.probing)
 
 
 class DraftLengthPolicy:
@@ -257,7 +265,7 @@ class DraftLengthPolicy:
         self._fit = [0.0] * 5
         self._plain_weight = 0.0  # decayed count of timed passes without drafts
         self._warm: set = set()  # draft counts past their first (warm-up) pass
-        self.passes_at_zero = 0
+        self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
         self.last_choice = 0
 
     def acceptance(self) -> List[float]:
@@ -323,7 +331,7 @@ class DraftLengthPolicy:
         best = max(range(limit + 1), key=lambda k: self.expected_speed(k, context))
         best = reprobe(self, best, limit)
         if best and self._fit[0] and self._plain_weight < _PLAIN_PROBE_WEIGHT:
-            best = 0  # a cost probe: what a plain pass takes now
+            best, self.probing = 0, False  # a cost probe: what a plain pass takes now
         if self.group is not None:
             best = from_rank0(self.group, best)
         self.last_choice = best
@@ -335,6 +343,10 @@ class DraftLengthPolicy:
         """Record a verify pass: ``n_accepted`` of ``n_drafted`` drafts kept."""
         if n_drafted == 0:
             return
+        if self.probing:  # back off while probes keep failing
+            self.probing = False
+            longer = min(2 * self.probe_every, MAX_PROBE_EVERY)
+            self.probe_every = PROBE_EVERY if n_accepted else longer
         for i in range(self.max_draft):
             self.accepted[i] *= _DECAY
             self.drafted[i] *= _DECAY

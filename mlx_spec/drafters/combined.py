@@ -103,7 +103,7 @@ class MTPNgramDrafter(Drafter):
         return not copy or self.ngram.match_length() < self.ngram.max_ngram
 
     def draft_source(self, k: int) -> Optional[str]:
-        """"ngram" (a copy), "mtp" (the head) or None (nothing to draft).
+        """ "ngram" (a copy), "mtp" (the head) or None (nothing to draft).
         Without a copy the head is not run to answer (its rows may stay
         deferred if the policy then drafts nothing)."""
         copy = self.ngram.draft(k)
