@@ -14,7 +14,7 @@ class FakeHead:
     def __init__(self, vocab=16):
         self.vocab, self.d1, self.drafts, self.looked = vocab, 0, 0, 0
 
-    has_rows = True
+    has_rows, pending_rows = True, 0
 
     def next_logits(self):
         self.looked += 1
@@ -91,3 +91,10 @@ def test_draft_source_names_who_drafts_next_without_running_the_head():
     d.ngram.match, d.mtp.d1 = 1, 9  # a partial match the head disagrees with
     assert d.draft_source(3) == "mtp" and d.mtp.looked == 1
     assert d.draft(3) == [9, 9, 9] and d.last_draft_source == "mtp"
+    # In a batch (look=False) a row's deferred head rows are not run to
+    # answer: the better-scored source is named, the head left alone.
+    # Here the head would agree with the copy, but its record is better.
+    d.mtp.pending_rows, d.mtp.looked, d.mtp.d1 = 4, 0, 5
+    d.score["mtp"] = 1.0
+    assert d.draft_source(3, look=False) == "mtp" and d.mtp.looked == 0
+    assert d.draft_source(3) == "ngram" and d.mtp.looked == 1  # it agrees

@@ -32,7 +32,7 @@ from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
 from .batch_policy import PassLength
 from .decode import SpeculativeDecoder
-from .policy import DraftLengthPolicy, verify_cost_profile
+from .policy import DraftLengthPolicy, SourcePolicies, verify_cost_profile
 from .ragged_cache import RaggedKVCache
 from .sampling import make_draft_sampler, make_sampler
 from .state import GDNSlotCache
@@ -69,7 +69,7 @@ class _Row:
     id: int
     decoder: SpeculativeDecoder  # its drafter, history and stats
     sampler: object
-    policy: Optional[DraftLengthPolicy]
+    policy: Optional[SourcePolicies]  # auto: a draft-length policy per source
     max_draft: int
     remaining: int  # tokens it may still emit
     stop_tokens: Collection[int] = field(default_factory=set)
@@ -145,7 +145,9 @@ class BatchDecoder:
         if auto:  # costs of one sequence's passes (measured once per model)
             costs = verify_costs or verify_cost_profile(self.model)
             group = pipeline_group(self.model)
-            policy = DraftLengthPolicy(costs, self.max_draft, group)
+            policy = SourcePolicies(
+                lambda: DraftLengthPolicy(costs, self.max_draft, group)
+            )
             self.lengths = self.lengths or PassLength(costs, group)
         id, self._next_id = self._next_id, self._next_id + 1
         row = _Row(id, decoder, sampler, policy, most, max_tokens, set(stop_tokens))
@@ -254,16 +256,18 @@ class BatchDecoder:
                 ks[b] = caps[b] = room
             else:
                 caps[b] = min(room, row.decoder.max_draft)
+                # its source's policy; heads are caught up later, together
+                row.policy.select(row.decoder.draft_source(caps[b], look=False))
                 auto.append(b)
         if len(auto) == len(self.rows) == 1:  # alone: as one sequence
             (b,) = auto
             row = self.rows[b]
             room = min(row.max_draft, row.remaining - 1)
-            ks[b] = row.policy.choose(room, len(row.decoder.history))
+            ks[b] = row.policy.active.choose(room, len(row.decoder.history))
         elif auto:
             k = self.lengths.choose(
                 len(self.rows),
-                [(self.rows[b].policy.acceptance(), caps[b]) for b in auto],
+                [(self.rows[b].policy.active.acceptance(), caps[b]) for b in auto],
                 max(ks.values(), default=0),
                 float(len(ks)),  # rows not auto: one token each, at least
             )

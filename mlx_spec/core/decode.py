@@ -164,10 +164,10 @@ class SpeculativeDecoder:
         self._verified = (len(draft), n, hidden)
         return draft[:n] + [token], logprobs, n
 
-    def draft_source(self, k: int):
+    def draft_source(self, k: int, look: bool = True):
         """Which of the drafter's sources would draft ``k`` tokens next
-        (None: a one-source drafter)."""
-        return None if self.drafter is None else self.drafter.draft_source(k)
+        (None: a one-source drafter); see ``Drafter.draft_source``."""
+        return None if self.drafter is None else self.drafter.draft_source(k, look)
 
     def _draft(self, k: int):
         if self.drafter is None or k == 0:

@@ -106,30 +106,6 @@ def make_policy(model, verify_costs: Optional[List[float]] = None, group=None):
     )
 
 
-class SourcePolicies:
-    """One :class:`DraftLengthPolicy` per draft source of a drafter that
-    switches sources (``mtp+ngram``: a copy's acceptance and cost are not the
-    head's). Each pass is chosen, recorded and timed by its source's policy,
-    so a head that does not pay is switched off where it would draft while
-    copies keep their own, longer drafts. Source None: a one-source drafter."""
-
-    def __init__(self, make):
-        self._make, self.by_source = make, {}
-        self.active: Optional[DraftLengthPolicy] = None
-
-    def choose(self, limit: int, context: int, source: Optional[str] = None) -> int:
-        if source not in self.by_source:
-            self.by_source[source] = self._make()
-        self.active = self.by_source[source]
-        return self.active.choose(limit, context)
-
-    def update(self, *args):
-        self.active.update(*args)
-
-    def observe_pass(self, *args):
-        self.active.observe_pass(*args)
-
-
 def measure_verify_costs(
     model, max_tokens: int, repeats: int = 3, context: int = PROFILE_CONTEXTS[0]
 ) -> List[float]:
@@ -373,3 +349,31 @@ class DraftLengthPolicy:
             _COST_DECAY * old + new
             for old, new in zip(self._fit, (1.0, k, k * k, r, k * r))
         ]
+
+
+class SourcePolicies:
+    """One :class:`DraftLengthPolicy` per draft source of a drafter that
+    switches sources (``mtp+ngram``: a copy's acceptance and cost are not the
+    head's). Each pass is chosen, recorded and timed by its source's policy,
+    so a head that does not pay is switched off where it would draft while
+    copies keep their own, longer drafts. Source None: a one-source drafter."""
+
+    def __init__(self, make):
+        self._make, self.by_source = make, {}
+        self.active: Optional[DraftLengthPolicy] = None
+
+    def select(self, source: Optional[str]) -> DraftLengthPolicy:
+        """The policy of ``source``, which the next update goes to."""
+        if source not in self.by_source:
+            self.by_source[source] = self._make()
+        self.active = self.by_source[source]
+        return self.active
+
+    def choose(self, limit: int, context: int, source: Optional[str] = None) -> int:
+        return self.select(source).choose(limit, context)
+
+    def update(self, *args):
+        self.active.update(*args)
+
+    def observe_pass(self, *args):
+        self.active.observe_pass(*args)

@@ -19,7 +19,7 @@ required; the rest have defaults that a simple drafter never touches:
 - ``draft_tokens(k)``: optional, ``draft`` without a host synchronisation: the
   tokens as a lazy ``mx.array`` [m] that the verify pass evaluates together
   with its own outputs (one synchronisation per pass), or a list.
-- ``draft_source(k)``: for a drafter with several sources (``mtp+ngram``),
+- ``draft_source(k, look)``: for a drafter with several sources (``mtp+ngram``),
   which one drafts next; ``auto`` keeps a draft-length policy per source.
 - ``catch_up()``: deferred work (e.g. head forwards over accepted rows) done
   now, so that timing the next ``draft`` measures drafting alone.
@@ -59,9 +59,10 @@ class Drafter:
     def catch_up(self):
         """No deferred work by default."""
 
-    def draft_source(self, k: int) -> Optional[str]:
+    def draft_source(self, k: int, look: bool = True) -> Optional[str]:
         """Which source would draft ``k`` tokens next, for a drafter that
-        switches between sources; None by default (one source)."""
+        switches between sources (``look``: it may run deferred work to
+        answer exactly); None by default (one source)."""
         return None
 
     @property

@@ -102,13 +102,19 @@ class MTPNgramDrafter(Drafter):
         copy = self.ngram.draft(k)
         return not copy or self.ngram.match_length() < self.ngram.max_ngram
 
-    def draft_source(self, k: int) -> Optional[str]:
-        """ "ngram" (a copy), "mtp" (the head) or None (nothing to draft).
-        Without a copy the head is not run to answer (its rows may stay
-        deferred if the policy then drafts nothing)."""
+    def draft_source(self, k: int, look: bool = True) -> Optional[str]:
+        """The source of the next draft: "ngram" (a copy), "mtp" (the head)
+        or None (nothing to draft). Without a copy the head is not run to
+        answer (its rows may stay deferred if the policy then drafts
+        nothing); nor, unless ``look``, for a partial match while rows are
+        deferred (a batch catches its rows' heads up together): the source
+        with the better record is named then."""
         copy = self.ngram.draft(k)
         if not copy:
             return "mtp" if self.mtp.has_rows else None
+        partial = self.ngram.match_length() < self.ngram.max_ngram
+        if not look and partial and self.mtp.pending_rows:
+            return "ngram" if self.score["ngram"] > self.score["mtp"] else "mtp"
         return "mtp" if self._needs_head(copy) else "ngram"
 
     def drafts_with_head(self, k: int) -> bool:
