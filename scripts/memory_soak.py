@@ -25,6 +25,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=10000)
     parser.add_argument("--every", type=int, default=2000)
+    parser.add_argument(
+        "--models", nargs="+", help="which of them (default: all); e.g. demo"
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
     models = {
@@ -34,9 +37,14 @@ def main():
         default_model_path(),
         "import os\nimport sys\n\n\ndef main(argv):\n    ",
     )
+    unknown = set(args.models or ()) - set(models)
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; choose from {list(models)}")
     marks = " ".join(f"{t:>7}" for t in range(args.every, args.tokens + 1, args.every))
     print(f"{'model':<12} {'draft':<10} {'rollback':<8} acc   MiB at tokens {marks}")
     for name, (path, prompt) in models.items():
+        if args.models and name not in args.models:
+            continue
         model, tok = mlx_spec.load(path)
         prompt = tok.encode(prompt) if isinstance(prompt, str) else prompt
         for draft in ("ngram", "mtp", "mtp+ngram"):
