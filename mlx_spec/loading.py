@@ -52,6 +52,9 @@ def upcast_experts_on_cpu(model):
     ):
         for m in modules:
             m.set_dtype(mx.float32)
+            # Evaluated here: a lazy cast belongs to this thread's stream, and a
+            # model decoded on another thread (the server's engine) could not run it.
+            mx.eval(m.parameters())
     return model
 
 

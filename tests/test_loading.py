@@ -1,5 +1,7 @@
 """mlx_spec.load: half-precision MoE checkpoints on the CPU."""
 
+import threading
+
 import mlx.core as mx
 import mlx_lm
 import pytest
@@ -42,3 +44,25 @@ def test_dense_and_float32_checkpoints_are_left_as_stored(tmp_path):
     moe = write_tiny_checkpoint(tmp_path / "moe", "qwen3_next", dtype="float32")
     model, _ = mlx_spec.load(moe)
     assert _dtypes(model) == {mx.float32}
+
+
+@on_cpu
+def test_upcast_model_decodes_on_another_thread(tmp_path):
+    # The server decodes on an engine thread; a cast left lazy on the loading
+    # thread's stream failed there ("There is no Stream(cpu, 0) in current thread").
+    path = write_tiny_checkpoint(tmp_path, "qwen3_next", dtype="bfloat16")
+    model, tok = mlx_spec.load(path)
+    want = spec_tokens(model, tok, [3, 8, 1, 6], max_tokens=8, draft="none")
+    got, errors = [], []
+
+    def decode():
+        try:
+            got.extend(spec_tokens(model, tok, [3, 8, 1, 6], max_tokens=8, draft="mtp"))
+        except Exception as e:  # reported below, with the thread's error
+            errors.append(e)
+
+    worker = threading.Thread(target=decode)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive() and not errors, errors
+    assert got == want
