@@ -1,5 +1,6 @@
 """The shared draft length of a batch's auto rows and its pass-cost model."""
 
+import mlx.core as mx
 import pytest
 
 from mlx_spec.core.batch_policy import PassLength
@@ -21,6 +22,9 @@ def test_rows_whose_drafts_fail_decode_plainly_with_a_probe():
     policy = PassLength(PROFILE)
     ks = [policy.choose(2, [([0.0] * 8, 8)] * 2) for _ in range(PROBE_EVERY)]
     assert ks == [0] * (PROBE_EVERY - 1) + [1]
+    # the probe's length bounds slices of the drafts' logits: a bool (True == 1)
+    # passed the comparison above but MLX refuses it as a slice bound
+    assert mx.arange(4)[: ks[-1]].tolist() == [0]
 
 
 def test_a_longer_fixed_draft_elsewhere_is_free_to_match():

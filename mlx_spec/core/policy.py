@@ -210,7 +210,7 @@ def reprobe(policy, best: int, limit: int) -> int:
             return 0
         policy.probing = True
     policy.passes_at_zero = 0
-    return max(best, policy.probing)
+    return max(best, int(policy.probing))  # MLX refuses a bool as a slice bound
 
 
 class DraftLengthPolicy:
