@@ -47,7 +47,7 @@ class DemoConfig:
     # target training
     seq_len: int = 512
     batch_size: int = 4
-    target_steps: int = 1000
+    target_steps: int = 720
     target_lr: float = 2e-3
     warmup_steps: int = 50
     decay: float = 0.2  # share of the steps in the final linear decay
@@ -57,7 +57,7 @@ class DemoConfig:
     compile: bool = False  # mx.compile the training steps (~same speed on CPU)
     ckpt_every: int = 25  # steps between resumable checkpoints
     # MTP training (target frozen)
-    mtp_steps: int = 300
+    mtp_steps: int = 250
     mtp_lr: float = 2e-3
     mtp_batch_size: int = 4
     mtp_distill: float = 0.7  # weight of the soft (target-distribution) loss
