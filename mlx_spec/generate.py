@@ -286,8 +286,8 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         )
         if stats.profile_seconds:
             print(
-                f"Verify-cost profile: measured in {stats.profile_seconds:.3f} s "
-                "(once per machine, MLX version and model)"
+                f"Verify-cost profile: {stats.profile_seconds:.3f} s (measured once "
+                "per machine, MLX version and model, then read from disk)"
             )
         if stats.verify_passes:
             print(stats.summary())
