@@ -18,12 +18,15 @@ LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 import argparse
 import http.client
 import json
+import shutil
 import statistics
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+import mlx.core as mx
 
 import mlx_spec
 from mlx_spec.commands.bench import load_workloads, machine_info
@@ -133,6 +136,29 @@ def run_server(name, argv, port, prompts, context, args, log_dir):
     return rows, (ttft1, ttft2)
 
 
+def cpu_float32_copy(model: str, into: Path) -> str:
+    """``model``, or on the CPU, when it is a half-precision MoE, a float32
+    copy of it in ``into``: mlx_lm.server cannot run it there (MLX's CPU
+    ``gather_mm`` runs float32 only and mlx-lm does not upcast), and every
+    server then serves the same float32 values (mlx_spec upcasts anyway)."""
+    src = Path(model)
+    config = json.loads((src / "config.json").read_text())
+    half = config.get("torch_dtype") in ("bfloat16", "float16")
+    if mx.default_device() != mx.cpu or not config.get("num_experts") or not half:
+        return model
+    into.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            weights = {k: v.astype(mx.float32) for k, v in mx.load(str(f)).items()}
+            mx.save_safetensors(str(into / f.name), weights, {"format": "pt"})
+        elif f.is_file():
+            shutil.copy(f, into / f.name)
+    config["torch_dtype"] = "float32"
+    (into / "config.json").write_text(json.dumps(config, indent=2))
+    print(f"serving a float32 copy of {model} (mlx_lm needs it on the CPU)", flush=True)
+    return str(into)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(default_model_path()))
@@ -165,6 +191,8 @@ def main():
     context = "\n\n".join(prompts)[: args.context_chars]
     print(json.dumps(machine_info()), flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_server_"))
+    if "mlx_lm" in args.servers:
+        args.model = cpu_float32_copy(args.model, log_dir / "model")
     table, turns = [], {}
     for name in args.servers:
         port = free_port()
