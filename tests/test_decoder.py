@@ -108,3 +108,67 @@ def test_feed_rejects_empty_and_step_needs_tokens(models):
         decoder.feed([])
     with pytest.raises(ValueError, match="feed tokens first"):
         decoder.verify(0, None)
+
+
+@pytest.mark.parametrize("drafter_kind", ["none", "ngram-off", "auto-off"])
+def test_queued_plain_passes_are_plain_decoding(
+    models, family, drafter_kind, monkeypatch
+):
+    """Passes without drafts are queued one ahead (mlx-lm's pipelining): the
+    tokens, a generation stopped by a stop token or by its caller, and the
+    caches after each turn are exactly plain decoding's."""
+    model, tok = models[family]
+
+    def plain():  # turn 0's caller stops after 12 tokens
+        cache = make_prompt_cache(model)
+        replies = [
+            reference_tokens(model, tok, turn, 20, stop_after, prompt_cache=cache)
+            for turn, stop_after in zip(TURNS, (12, None, None))
+        ]
+        return replies, cache
+
+    eos = plain()[0][1][5]
+    tok.eos_token_ids = {eos}
+    try:  # and turn 1 stops at eos
+        ref, cache = plain()
+    finally:
+        tok.eos_token_ids = {399}
+    assert ref[1][-1] == eos and len(ref[0]) == 12
+
+    drafter, k, costs = None, 0, None
+    if drafter_kind == "ngram-off":
+        drafter = make_drafter("ngram", model)
+    elif drafter_kind == "auto-off":  # drafts never accepted: auto turns them off
+        sequence = [t for turn, reply in zip(TURNS, ref) for t in turn + reply]
+        drafter, k = OracleDrafter(sequence, error=1.0), "auto"
+        costs = [1 + 0.5 * t for t in range(9)]
+    queued = []
+    real_async_eval = mx.async_eval
+    monkeypatch.setattr(
+        mx, "async_eval", lambda *a: queued.append(1) or real_async_eval(*a)
+    )
+    decoder = SpeculativeDecoder(model, drafter, max_draft=8)
+    out = []
+    for turn, stop_after in zip(TURNS, (12, None, None)):
+        steps = speculative_generate_step(
+            mx.array(turn),
+            model,
+            None,
+            decoder=decoder,
+            num_draft_tokens=k,
+            verify_costs=costs,
+            max_tokens=20,
+            stop_tokens={eos},
+        )
+        reply = []
+        for t, _, _ in steps:
+            reply.append(t)
+            if len(reply) == stop_after:
+                steps.close()  # a queued pass is in flight here
+        out.append(reply)
+    assert out == ref
+    assert len(queued) >= sum(map(len, ref)) // 2, "plain passes were not queued"
+    decoder.flush()
+    a, b = cache_arrays(cache), cache_arrays(decoder.cache.caches)
+    mx.eval(a, b)
+    assert all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(a, b))

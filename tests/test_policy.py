@@ -34,8 +34,9 @@ def test_never_accepted_drafts_switch_speculation_off():
 
 def test_failed_probes_back_off_and_an_accepted_one_resets_them():
     """Probes cost the drafter's catch-up: each rejected probe doubles the
-    wait before the next, up to MAX_PROBE_EVERY; one accepted probe brings
-    back the short interval."""
+    wait before the next, up to MAX_PROBE_EVERY; an accepted probe is
+    followed by another at once, and a rejected one then waits the short
+    interval again."""
     p = DraftLengthPolicy([1 + 0.5 * t for t in range(9)])
     for _ in range(10):
         p.update(1, 0)
@@ -51,7 +52,36 @@ def test_failed_probes_back_off_and_an_accepted_one_resets_them():
     while not p.choose(8):  # the next probe is accepted
         p.update(0, 0)
     p.update(1, 1)
+    assert not p.next_is_plain()
+    assert p.choose(8) == 1  # probed again at the next pass
+    p.update(1, 0)
     assert p.probe_every == policy.PROBE_EVERY
+
+
+def test_next_is_plain_predicts_the_next_choice():
+    """A plain pass is queued only when the next choice will be k = 0: the
+    prediction must agree with ``choose`` on every pass, probes included."""
+    p = DraftLengthPolicy([1 + 0.5 * t for t in range(9)])
+    for _ in range(10):
+        p.update(1, 0)
+    p.choose(8)
+    for _ in range(300):
+        predicted = p.next_is_plain()
+        k = p.choose(8)
+        assert predicted == (k == 0)
+        p.update(k, 0)
+    # Cheap drafts: a source drafts on its prior until its drafts fail.
+    sources = SourcePolicies(
+        lambda: DraftLengthPolicy([1 + 0.05 * t for t in range(9)])
+    )
+    assert sources.choose(8, 32, "mtp") > 0 and not sources.next_is_plain()
+    for _ in range(50):  # drafts never accepted
+        sources.update(sources.choose(8, 32, "mtp"), 0)
+        if sources.next_is_plain():
+            break
+    assert sources.next_is_plain()
+    sources.choose(8, 32, "ngram")  # the next pass may draft from a copy
+    assert not sources.next_is_plain()
 
 
 def test_always_accepted_drafts_use_the_longest_useful_draft():

@@ -73,6 +73,7 @@ class SpeculativeDecoder:
         self.last_hidden = None  # [1, H]: hidden of history[-1] once processed
         self.drafted, self.draft_seconds = 0, 0.0
         self._verified = None  # (drafted, accepted, hidden) until commit
+        self._queued = None  # (logits, hidden) of a plain pass queued ahead
 
     def _quantize(self):
         kv_bits, group_size, start = self.kv
@@ -88,6 +89,7 @@ class SpeculativeDecoder:
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise ValueError("cannot feed an empty list of tokens")
+        self._settle_queued()
         inputs = self.pending + tokens[:-1]
         keep = self.drafter is not None and self.drafter.needs_hidden
         hidden = self.target.prefill(
@@ -110,6 +112,7 @@ class SpeculativeDecoder:
 
     def flush(self):
         """Process the pending token: the caches then equal plain decoding's."""
+        self._settle_queued()
         if self.pending:
             self.last_hidden = self.target.hidden(mx.array(self.pending, mx.uint32))
             mx.eval([c.state for c in self.cache.caches])
@@ -129,12 +132,16 @@ class SpeculativeDecoder:
         processors=None,
         history: Optional[List[int]] = None,
         clock: Optional[PhaseClock] = None,
+        queue_plain: bool = False,
     ) -> Tuple[List[int], mx.array, int]:
         """One verify pass with up to ``k`` drafts; :meth:`commit` must follow.
 
         Returns ``(emitted, logprobs [T, V], n_accepted)``: the accepted
         drafts and the target's next token. ``history`` (default: the whole
-        history) is what logits processors see.
+        history) is what logits processors see. ``queue_plain``: when this
+        pass drafts nothing, the next one will not either; its forward over
+        this pass's (lazy) token is queued before the host waits, as mlx-lm
+        decodes, and the next call takes it whatever its ``k``.
         """
         if not self.pending:
             raise ValueError("nothing to decode from: feed tokens first")
@@ -142,27 +149,49 @@ class SpeculativeDecoder:
             raise RuntimeError("verify() called twice without commit()")
         clock = clock or PhaseClock(self.stats)
         tic = time.perf_counter()
-        draft = self._draft(k)  # a list, or a lazy array (drafted on the device)
+        draft = [] if self._queued else self._draft(k)  # list or lazy array
         self.drafted, self.draft_seconds = len(draft), time.perf_counter() - tic
         clock.lap("draft", draft if isinstance(draft, mx.array) else None)
 
         inputs = mx.array(self.history[-1:], mx.uint32)
         if len(draft):
             tail = draft if isinstance(draft, mx.array) else mx.array(draft, mx.uint32)
-            inputs = mx.concatenate([inputs, tail])
-        self.cache.begin(1 + len(draft))
-        logits, hidden = self.target.forward(inputs)
+            self.cache.begin(1 + len(draft))
+            logits, hidden = self.target.forward(mx.concatenate([inputs, tail]))
+        else:  # one token: a plain decoding step, nothing to roll back
+            logits, hidden = self._queued or self._plain_forward(inputs)
+            self._queued = None
         clock.lap("verify", logits, hidden)
         if processors and isinstance(draft, mx.array):
             draft = draft.tolist()  # processors see host token lists
         seen = self.history if history is None else history
         logprobs = _score(logits, seen, draft, processors)
-        q = self.drafter.draft_probs if len(draft) else None
-        n, token = verify_draft(draft, logprobs, sampler, q)  # the one host sync
+        if queue_plain and not len(draft) and not processors:
+            choice = sampler(logprobs)  # [1], lazy
+            self._queued = self._plain_forward(choice)
+            mx.async_eval(choice, logprobs, *(a for a in self._queued if a is not None))
+            n, token = 0, choice.item()  # the host waits here, the device goes on
+        else:
+            q = self.drafter.draft_probs if len(draft) else None
+            n, token = verify_draft(draft, logprobs, sampler, q)  # one host sync
         clock.lap("sampling")
         draft = draft.tolist() if isinstance(draft, mx.array) else draft
         self._verified = (len(draft), n, hidden)
         return draft[:n] + [token], logprobs, n
+
+    def _plain_forward(self, token: mx.array):
+        """token: [1] -> (logits [1, V], hidden [1, H] or None), lazy, the
+        caches advanced as by a plain decoding step (KV quantization included)."""
+        logits, hidden = self.target.forward(token)
+        self._quantize()
+        return logits, hidden
+
+    def _settle_queued(self):
+        """A queued plain pass that will not be verified has processed the
+        last token: the caches hold the whole history."""
+        if self._queued is not None:
+            self.last_hidden, self._queued = self._queued[1], None
+            self.processed = len(self.history)
 
     def draft_source(self, k: int, look: bool = True):
         """Which of the drafter's sources would draft ``k`` tokens next
@@ -192,11 +221,14 @@ class SpeculativeDecoder:
         self._verified = None
         j = len(tokens)
         kept = j + (process_last and j <= n)  # inputs [pending, d1..] kept
-        self.cache.commit(kept)
-        self._quantize()
+        if drafted:  # a plain pass was a plain decoding step already
+            self.cache.commit(kept)
+            self._quantize()
         if clock is not None:
             clock.lap("commit", [c.state for c in self.cache.caches])
         self.advance(drafted, n, tokens, kept, hidden)
+        if process_last:
+            self._settle_queued()
 
     def advance(self, drafted: int, n: int, tokens: List[int], kept: int, hidden):
         """The bookkeeping of a pass whose caches kept ``kept`` inputs and
@@ -253,6 +285,10 @@ def speculative_generate_step(
         )
     group = pipeline_group(model)
     policy = make_policy(model, verify_costs, group) if auto else None
+    # Plain passes are queued ahead (mlx-lm's pipelining) unless processors
+    # need each token on the host, timing syncs each phase, or the ranks of
+    # a pipeline must agree on each pass.
+    pipelined = not logits_processors and not timing and group is None
     sampler = sampler or make_sampler(0.0)
     stats, progress = decoder.stats, prompt_progress_callback or (lambda *_: None)
 
@@ -273,9 +309,13 @@ def speculative_generate_step(
             context = len(decoder.history)
             source = decoder.draft_source(room) if policy else None
             k = policy.choose(room, context, source) if policy else room
+            plain_next = (
+                policy.next_is_plain() if policy else decoder.drafter is None or k == 0
+            )
+            queue = pipelined and plain_next and produced + 1 < max_tokens
             tic = time.perf_counter()
             emitted, logprobs, n = decoder.verify(
-                k, sampler, logits_processors, history, clock
+                k, sampler, logits_processors, history, clock, queue
             )
             seconds = time.perf_counter() - tic  # the caller's time excluded
             if policy:

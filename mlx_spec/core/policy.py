@@ -38,8 +38,9 @@ _PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
 _DECAY = 0.97
 PROBE_EVERY = 16  # passes at k = 0 before a one-draft probe
 # Each rejected probe doubles the wait before the next (a probe costs the
-# drafter's catch-up over every deferred row), up to this; an accepted one
-# resets it to PROBE_EVERY.
+# drafter's catch-up over every deferred row), from PROBE_EVERY up to this; an
+# accepted one is followed by another at the next pass, so that a drafter
+# which became useful is re-learned within a few passes, not a few probes.
 MAX_PROBE_EVERY = 128
 _COST_DECAY = 0.95  # forgetting of older passes in the learned pass cost
 # Trust in the host-timed draft cost, in one-draft passes' worth of evidence.
@@ -242,7 +243,7 @@ class DraftLengthPolicy:
         self._plain_weight = 0.0  # decayed count of timed passes without drafts
         self._warm: set = set()  # draft counts past their first (warm-up) pass
         self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
-        self.last_choice = 0
+        self.last_choice = self.best = 0
 
     def acceptance(self) -> List[float]:
         """Estimated conditional acceptance a_i per draft position.
@@ -305,6 +306,7 @@ class DraftLengthPolicy:
         """Drafts for the next pass (after ``context`` tokens), at most ``limit``."""
         limit = min(limit, self.max_draft)
         best = max(range(limit + 1), key=lambda k: self.expected_speed(k, context))
+        self.best = best
         best = reprobe(self, best, limit)
         if best and self._fit[0] and self._plain_weight < _PLAIN_PROBE_WEIGHT:
             best, self.probing = 0, False  # a cost probe: what a plain pass takes now
@@ -312,6 +314,13 @@ class DraftLengthPolicy:
             best = from_rank0(self.group, best)
         self.last_choice = best
         return best
+
+    def next_is_plain(self) -> bool:
+        """Whether the next pass will draft nothing (before it is chosen):
+        drafting did not pay at the last choice and no probe is due. A plain
+        pass may then be queued while this one runs (see
+        ``SpeculativeDecoder.verify``)."""
+        return self.best == 0 and self.passes_at_zero + 1 < self.probe_every
 
     def update(
         self, n_drafted: int, n_accepted: int, draft_seconds: Optional[float] = None
@@ -321,8 +330,8 @@ class DraftLengthPolicy:
             return
         if self.probing:  # back off while probes keep failing
             self.probing = False
-            longer = min(2 * self.probe_every, MAX_PROBE_EVERY)
-            self.probe_every = PROBE_EVERY if n_accepted else longer
+            longer = min(max(2 * self.probe_every, PROBE_EVERY), MAX_PROBE_EVERY)
+            self.probe_every = 1 if n_accepted else longer
         for i in range(self.max_draft):
             self.accepted[i] *= _DECAY
             self.drafted[i] *= _DECAY
@@ -371,6 +380,11 @@ class SourcePolicies:
 
     def choose(self, limit: int, context: int, source: Optional[str] = None) -> int:
         return self.select(source).choose(limit, context)
+
+    def next_is_plain(self) -> bool:
+        """Whether no source's policy would draft in the next pass: its
+        source is not known before its input token is."""
+        return all(p.next_is_plain() for p in self.by_source.values())
 
     def update(self, *args):
         self.active.update(*args)
