@@ -34,9 +34,8 @@ def test_never_accepted_drafts_switch_speculation_off():
 
 def test_failed_probes_back_off_and_an_accepted_one_resets_them():
     """Probes cost the drafter's catch-up: each rejected probe doubles the
-    wait before the next, up to MAX_PROBE_EVERY; an accepted probe is
-    followed by another at once, and a rejected one then waits the short
-    interval again."""
+    wait before the next, up to MAX_PROBE_EVERY; with this much evidence an
+    accepted probe brings back the short interval."""
     p = DraftLengthPolicy([1 + 0.5 * t for t in range(9)])
     for _ in range(10):
         p.update(1, 0)
@@ -52,10 +51,27 @@ def test_failed_probes_back_off_and_an_accepted_one_resets_them():
     while not p.choose(8):  # the next probe is accepted
         p.update(0, 0)
     p.update(1, 1)
-    assert not p.next_is_plain()
-    assert p.choose(8) == 1  # probed again at the next pass
-    p.update(1, 0)
     assert p.probe_every == policy.PROBE_EVERY
+
+
+def test_accepted_probes_follow_each_other_until_there_is_evidence():
+    """A drafter judged on its prior alone is re-probed at once after an
+    accepted probe, but only until the first position has
+    PROBE_STREAK_EVIDENCE passes of evidence: then the cost decides (here
+    drafts cost too much to pay even when accepted)."""
+    p = DraftLengthPolicy([1 + 0.8 * t for t in range(9)])
+    probes, k = [], 0
+    for i in range(80):
+        predicted, after_plain = p.next_is_plain(), k == 0
+        k = p.choose(8)
+        assert predicted == (k == 0) or not after_plain
+        if k:
+            probes.append(i)
+        p.update(k, k)  # every draft accepted
+    assert probes[0] == policy.PROBE_EVERY - 1
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    streak = gaps.index(policy.PROBE_EVERY)
+    assert 1 <= streak <= policy.PROBE_STREAK_EVIDENCE and set(gaps[:streak]) == {1}
 
 
 def test_next_is_plain_predicts_the_next_choice():

@@ -39,9 +39,12 @@ _DECAY = 0.97
 PROBE_EVERY = 16  # passes at k = 0 before a one-draft probe
 # Each rejected probe doubles the wait before the next (a probe costs the
 # drafter's catch-up over every deferred row), from PROBE_EVERY up to this; an
-# accepted one is followed by another at the next pass, so that a drafter
-# which became useful is re-learned within a few passes, not a few probes.
+# accepted one is followed by another at the next pass while the first draft
+# position has less evidence than PROBE_STREAK_EVIDENCE (decayed passes), so
+# that a drafter which became useful is re-learned within a few passes, not a
+# few probes; with that evidence the policy's own choice takes over.
 MAX_PROBE_EVERY = 128
+PROBE_STREAK_EVIDENCE = 4.0
 _COST_DECAY = 0.95  # forgetting of older passes in the learned pass cost
 # Trust in the host-timed draft cost, in one-draft passes' worth of evidence.
 _SLOPE_PRIOR_WEIGHT = 0.5
@@ -316,10 +319,10 @@ class DraftLengthPolicy:
         return best
 
     def next_is_plain(self) -> bool:
-        """Whether the next pass will draft nothing (before it is chosen):
-        drafting did not pay at the last choice and no probe is due. A plain
-        pass may then be queued while this one runs (see
-        ``SpeculativeDecoder.verify``)."""
+        """Whether the pass after a pass without drafts will draft nothing
+        too (said before it is chosen): drafting did not pay at the last
+        choice and no probe is due. A plain pass may then be queued while
+        this one runs (see ``SpeculativeDecoder.verify``)."""
         return self.best == 0 and self.passes_at_zero + 1 < self.probe_every
 
     def update(
@@ -331,7 +334,8 @@ class DraftLengthPolicy:
         if self.probing:  # back off while probes keep failing
             self.probing = False
             longer = min(max(2 * self.probe_every, PROBE_EVERY), MAX_PROBE_EVERY)
-            self.probe_every = 1 if n_accepted else longer
+            streak = self.drafted[0] + 1 < PROBE_STREAK_EVIDENCE
+            self.probe_every = (1 if streak else PROBE_EVERY) if n_accepted else longer
         for i in range(self.max_draft):
             self.accepted[i] *= _DECAY
             self.drafted[i] *= _DECAY
