@@ -285,10 +285,10 @@ def speculative_generate_step(
         )
     group = pipeline_group(model)
     policy = make_policy(model, verify_costs, group) if auto else None
-    # Plain passes are queued ahead (mlx-lm's pipelining) unless processors
-    # need each token on the host, timing syncs each phase, or the ranks of
-    # a pipeline must agree on each pass.
-    pipelined = not logits_processors and not timing and group is None
+    # Plain passes are queued ahead (mlx-lm's pipelining; the decoder skips
+    # it for logits processors) unless timing syncs each phase or the ranks
+    # of a pipeline must agree on each pass.
+    pipelined = not timing and group is None
     sampler = sampler or make_sampler(0.0)
     stats, progress = decoder.stats, prompt_progress_callback or (lambda *_: None)
 
