@@ -74,6 +74,10 @@ class SpeculativeDecoder:
         self.drafted, self.draft_seconds = 0, 0.0
         self._verified = None  # (drafted, accepted, hidden) until commit
         self._queued = None  # (logits, hidden) of a plain pass queued ahead
+        # Whether the last pass's wall time holds two forwards or none: it
+        # queued the next one's without running its own queued forward, or
+        # the reverse (the ends of a run of queued passes).
+        self.timed_unfairly = False
 
     def _quantize(self):
         kv_bits, group_size, start = self.kv
@@ -149,7 +153,8 @@ class SpeculativeDecoder:
             raise RuntimeError("verify() called twice without commit()")
         clock = clock or PhaseClock(self.stats)
         tic = time.perf_counter()
-        draft = [] if self._queued else self._draft(k)  # list or lazy array
+        took_queued = self._queued is not None
+        draft = [] if took_queued else self._draft(k)  # list or lazy array
         self.drafted, self.draft_seconds = len(draft), time.perf_counter() - tic
         clock.lap("draft", draft if isinstance(draft, mx.array) else None)
 
@@ -177,6 +182,7 @@ class SpeculativeDecoder:
         clock.lap("sampling")
         draft = draft.tolist() if isinstance(draft, mx.array) else draft
         self._verified = (len(draft), n, hidden)
+        self.timed_unfairly = took_queued != (self._queued is not None)
         return draft[:n] + [token], logprobs, n
 
     def _plain_forward(self, token: mx.array):
@@ -335,7 +341,7 @@ def speculative_generate_step(
                 ends = done or len(yielded) < len(emitted)
                 tic = time.perf_counter()
                 decoder.commit(yielded, process_last=ends, clock=clock)
-            if policy:
+            if policy and not decoder.timed_unfairly:
                 policy.observe_pass(
                     decoder.drafted, seconds + time.perf_counter() - tic, context
                 )
