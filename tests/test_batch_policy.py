@@ -44,3 +44,20 @@ def test_the_cost_model_learns_the_batch_passes():
     for B, T in ((1, 1), (4, 1), (4, 3), (8, 6)):
         want = 0.002 + 0.003 * B * T + 0.004 * (T > 1)
         assert policy.cost(B, T) == pytest.approx(want, rel=0.02)
+
+
+def test_passes_of_one_shape_keep_a_cost_that_grows_with_the_draft():
+    """Four rows decoding plainly for a long while, one of them leaving for
+    a pass that happened to be slow: passes of (almost) one shape determine
+    only one combination of the costs. The profile keeps the rest, so drafts
+    with 0.9 acceptance still look worth their positions and the cost
+    still grows with T (a prior that decayed away let these passes fit a
+    negative fixed cost and a steep per-token one: never a draft again)."""
+    policy = PassLength(PROFILE)
+    for i in range(200):
+        rows = 3 if i == 150 else 4
+        policy.observe(rows, 1, 0.0125 if rows == 3 else 0.011)
+    costs = [policy.cost(4, T) for T in range(1, 10)]
+    assert all(a < b for a, b in zip(costs, costs[1:]))
+    assert policy.cost(4, 1) == pytest.approx(0.011, rel=0.1)
+    assert policy.choose(4, [([0.9] * 8, 8)] * 4) >= 1

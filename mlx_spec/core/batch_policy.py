@@ -18,7 +18,9 @@ more rows the ``auto`` rows share one draft length ``k``: the one maximising
 estimates (its :class:`~mlx_spec.core.policy.DraftLengthPolicy`, which keeps
 learning from the row's passes). The cost starts from the single-sequence
 profile (a line through it, gamma = 0) and is refitted from the batch's own
-timed passes (decayed least squares, the profile as prior passes). After
+timed passes (decayed least squares, the profile as prior passes, a few at
+first and never fewer than ``PRIOR_FLOOR``: passes that all have one shape,
+all at ``k = 0`` say, determine only one combination of the costs). After
 ``PROBE_EVERY`` passes at ``k = 0``, one pass drafts one token, so
 acceptance that improves is noticed.
 """
@@ -31,7 +33,8 @@ from ..models.pipeline import from_rank0
 from .policy import PROBE_EVERY, reprobe
 
 DECAY = 0.95  # weight of older passes in the cost fit
-PRIOR_WEIGHT = 4.0  # the profile counts as this many passes
+PRIOR_WEIGHT = 4.0  # the profile counts as this many passes at first
+PRIOR_FLOOR = 0.1  # and as this many once the passes seen outweigh it
 GAMMA_PULL = 0.1  # what stays of the pull of gamma towards 0
 
 
@@ -58,16 +61,23 @@ class PassLength:
         n = len(verify_costs)
         beta = max((verify_costs[-1] - verify_costs[0]) / max(n - 1, 1), 1e-6)
         prior = np.array([max(verify_costs[0] - beta, 0.0), beta, 0.0])
-        # Normal equations of the decayed least squares: the profile's line
-        # as PRIOR_WEIGHT passes spread over T = 1..n, plus a pull of gamma
-        # towards 0 (while every pass drafts, gamma and alpha are told apart
-        # only by it and the prior).
-        self._A = np.diag([0.0, 0.0, PRIOR_WEIGHT])
-        self._b = np.zeros(3)
+        # Normal equations of the decayed least squares. The prior, per pass
+        # of weight: the profile's line spread over T = 1..n, plus a pull of
+        # gamma towards 0 (while every pass drafts, gamma and alpha are told
+        # apart only by it and the prior).
+        A0, b0 = np.diag([0.0, 0.0, 1.0]), np.zeros(3)
         for T in range(1, n + 1):
             f = _features(1, T) * [1, 1, 0]
-            self._A += PRIOR_WEIGHT / n * np.outer(f, f)
-            self._b += PRIOR_WEIGHT / n * f * (f @ prior)
+            A0 += np.outer(f, f) / n
+            b0 += f * (f @ prior) / n
+        self._A, self._b = PRIOR_WEIGHT * A0, PRIOR_WEIGHT * b0
+        # What each pass adds so that the prior never weighs less than
+        # PRIOR_FLOOR passes (gamma's pull: GAMMA_PULL): passes of one shape
+        # alone let noise fit a negative alpha and a steep beta, with which
+        # no draft ever looked affordable.
+        floor = PRIOR_FLOOR * A0
+        floor[2, 2] = GAMMA_PULL
+        self._floor = ((1 - DECAY) * floor, (1 - DECAY) * PRIOR_FLOOR * b0)
         self._theta = None  # the fitted (alpha, beta, gamma)
         self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
 
@@ -83,9 +93,8 @@ class PassLength:
             return  # a clock anomaly
         f = _features(rows, T)
         self._theta = None  # refitted when next needed
-        self._A = DECAY * self._A + np.outer(f, f)
-        self._b = DECAY * self._b + f * seconds
-        self._A[2, 2] += (1 - DECAY) * GAMMA_PULL  # never singular
+        self._A = DECAY * self._A + np.outer(f, f) + self._floor[0]
+        self._b = DECAY * self._b + f * seconds + self._floor[1]
 
     def choose(
         self,
