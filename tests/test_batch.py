@@ -245,29 +245,3 @@ def test_an_auto_row_drafts_as_long_as_the_pass(models, family):
     stats = batch.take(row).stats
     assert stats.verify_passes == len(ref) and stats.accepted == 0
     assert stats.drafted == sum(min(5, 29 - i) for i in range(len(ref)))
-
-
-def test_a_joining_row_starts_from_what_rows_before_it_learned(models):
-    """Rows leaving hand their drafts' acceptance to the rows after them: a
-    row whose drafts are always right drafts on its first pass when an
-    earlier row of the batch found them right, and not in a fresh batch
-    (where a verify this costly needs evidence first: the fixed prior)."""
-    model, tok = models["qwen3_next"]
-    costs = [0.010 + 0.004 * t for t in range(9)]  # one draft: 1.4x a pass
-    first, second = prompts("mixed", seed=21), prompts("mixed", seed=22)
-
-    def row(batch, prompt, max_tokens):
-        sure = OracleDrafter(prompt + reference_tokens(model, tok, prompt, 60))
-        d = joined(model, prompt, sure, 8)
-        return batch.add(d, max_tokens, verify_costs=costs)
-
-    warm = BatchDecoder(model, n_slots=2, max_draft=8)
-    learner = row(warm, first, 60)
-    run(warm, {learner: []})
-    assert warm.take(learner).stats.accepted > 30
-    fresh = BatchDecoder(model, n_slots=2, max_draft=8)
-    for batch, drafts in ((warm, True), (fresh, False)):
-        id = row(batch, second, 20)
-        batch.step()
-        assert (batch.rows[0].decoder.stats.drafted > 0) == drafts
-        assert batch.take(id).stats.generated >= 1

@@ -39,8 +39,6 @@ from .state import GDNSlotCache
 from .target import Target
 from .verify import verify_draft
 
-PRIOR_MEMORY = 0.5  # weight of the earlier rows in a source's acceptance prior
-
 
 def _append_gdn_row(mine: GDNSlotCache, theirs, rows_before: int):
     """Append one sequence's GDN state; None arrays mean the zero state."""
@@ -99,11 +97,6 @@ class BatchDecoder:
         self.rows: List[_Row] = []  # the batch's rows, in cache order
         self.heads: Optional[MTPBatch] = None  # the rows' MTP heads, run together
         self.lengths: Optional[PassLength] = None  # the auto rows' shared length
-        # Per draft source, the acceptance the rows that left had learned: a
-        # joining auto row starts from it (requests to one server resemble
-        # each other more than a fixed prior does; a short request would
-        # spend much of itself learning, in a batch at k = 0 mostly).
-        self.acceptance_priors: Dict[Optional[str], List[float]] = {}
         self._next_id = 0
 
     @property
@@ -153,8 +146,7 @@ class BatchDecoder:
             costs = verify_costs or verify_cost_profile(self.model)
             group = pipeline_group(self.model)
             policy = SourcePolicies(
-                lambda: DraftLengthPolicy(costs, self.max_draft, group),
-                self.acceptance_priors,
+                lambda: DraftLengthPolicy(costs, self.max_draft, group)
             )
             self.lengths = self.lengths or PassLength(costs, group)
         id, self._next_id = self._next_id, self._next_id + 1
@@ -166,15 +158,7 @@ class BatchDecoder:
         """Remove sequence ``id``; it leaves as a single-sequence decoder whose
         caches hold exactly what it decoded."""
         b = self._index(id)
-        row = self.rows.pop(b)
-        decoder = row.decoder
-        if row.policy is not None:
-            for source, rates in row.policy.learned().items():
-                old = self.acceptance_priors.get(source, rates)
-                self.acceptance_priors[source] = [
-                    PRIOR_MEMORY * o + (1 - PRIOR_MEMORY) * r
-                    for o, r in zip(old, rates)
-                ]
+        decoder = self.rows.pop(b).decoder
         mtp = head_drafter(decoder.drafter)
         if self.heads is not None and mtp in self.heads:
             self.heads.leave(mtp)

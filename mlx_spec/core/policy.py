@@ -247,21 +247,16 @@ class DraftLengthPolicy:
         self._warm: set = set()  # draft counts past their first (warm-up) pass
         self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
         self.last_choice = self.best = 0
-        self.prior: Optional[List[float]] = None  # starting a_i (see acceptance)
 
     def acceptance(self) -> List[float]:
         """Estimated conditional acceptance a_i per draft position.
 
-        Before evidence: ``prior`` where set (what earlier sequences learned
-        of the same draft source), else a position with little evidence
-        borrows the estimate of the one before it (acceptance changes slowly
-        with depth), so a deeper draft is tried once shallower drafts prove
-        reliable.
+        A position with little evidence borrows the estimate of the one before
+        it (acceptance changes slowly with depth), so a deeper draft is tried
+        once shallower drafts prove reliable.
         """
         rates, prior = [], _PRIOR
-        for i, (a, d) in enumerate(zip(self.accepted, self.drafted)):
-            if self.prior is not None and i < len(self.prior):
-                prior = self.prior[i]
+        for a, d in zip(self.accepted, self.drafted):
             prior = (a + prior * _PRIOR_WEIGHT) / (d + _PRIOR_WEIGHT)
             rates.append(prior)
         return rates
@@ -374,30 +369,18 @@ class SourcePolicies:
     switches sources (``mtp+ngram``: a copy's acceptance and cost are not the
     head's). Each pass is chosen, recorded and timed by its source's policy,
     so a head that does not pay is switched off where it would draft while
-    copies keep their own, longer drafts. Source None: a one-source drafter.
-    ``priors``: source -> starting acceptance per position (read when a
-    source's policy is made)."""
+    copies keep their own, longer drafts. Source None: a one-source drafter."""
 
-    def __init__(self, make, priors: Optional[Dict] = None):
+    def __init__(self, make):
         self._make, self.by_source = make, {}
-        self.priors = {} if priors is None else priors
         self.active: Optional[DraftLengthPolicy] = None
 
     def select(self, source: Optional[str]) -> DraftLengthPolicy:
         """The policy of ``source``, which the next update goes to."""
         if source not in self.by_source:
-            policy = self.by_source[source] = self._make()
-            policy.prior = self.priors.get(source)
+            self.by_source[source] = self._make()
         self.active = self.by_source[source]
         return self.active
-
-    def learned(self) -> Dict:
-        """Source -> acceptance per position, for the sources drafted from."""
-        return {
-            source: p.acceptance()
-            for source, p in self.by_source.items()
-            if p.drafted[0] > 0
-        }
 
     def choose(self, limit: int, context: int, source: Optional[str] = None) -> int:
         return self.select(source).choose(limit, context)
