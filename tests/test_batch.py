@@ -245,3 +245,23 @@ def test_an_auto_row_drafts_as_long_as_the_pass(models, family):
     stats = batch.take(row).stats
     assert stats.verify_passes == len(ref) and stats.accepted == 0
     assert stats.drafted == sum(min(5, 29 - i) for i in range(len(ref)))
+
+
+def test_a_head_row_does_not_draft_up_to_a_copy_rows_length(models, family):
+    """Beside a row drafting 5 tokens a pass, an ``auto`` row drafting with
+    the MTP head (random here: its drafts fail) is not filled up to 5: each
+    of its drafts would be one more head step. Its tokens are plain
+    decoding's."""
+    model, tok = models[family]
+    long, short = prompts("mixed", seed=11), prompts("random", seed=12)
+    batch = BatchDecoder(model, n_slots=2, max_draft=8)
+    sure = OracleDrafter(long + reference_tokens(model, tok, long, 200))
+    batch.add(joined(model, long, sure, 8), 200, num_draft_tokens=5)
+    ref = reference_tokens(model, tok, short, 30)
+    row = batch.add(joined(model, short, make_drafter("mtp", model), 8), 30)
+    got = []
+    while row in batch.active:
+        got += batch.step().get(row, ([], None))[0]
+    assert got == ref
+    stats = batch.take(row).stats
+    assert stats.drafted < 2 * stats.verify_passes  # filled: 5 a pass

@@ -14,13 +14,13 @@ def test_drafts_get_shorter_as_the_batch_grows():
     """Every row's longer draft costs every row: the more rows, the shorter
     the shared draft (acceptance 0.8 at every position)."""
     policy = PassLength(PROFILE)
-    ks = [policy.choose(B, [([0.8] * 8, 8)] * B) for B in (1, 2, 4, 8)]
+    ks = [policy.choose(B, [([0.8] * 8, 8)] * B)[0] for B in (1, 2, 4, 8)]
     assert ks == sorted(ks, reverse=True) and ks[0] == 4 and ks[-1] == 1
 
 
 def test_rows_whose_drafts_fail_decode_plainly_with_a_probe():
     policy = PassLength(PROFILE)
-    ks = [policy.choose(2, [([0.0] * 8, 8)] * 2) for _ in range(PROBE_EVERY)]
+    ks = [policy.choose(2, [([0.0] * 8, 8)] * 2)[0] for _ in range(PROBE_EVERY)]
     assert ks == [0] * (PROBE_EVERY - 1) + [1]
     # the probe's length bounds slices of the drafts' logits: a bool (True == 1)
     # passed the comparison above but MLX refuses it as a slice bound
@@ -31,19 +31,19 @@ def test_a_longer_fixed_draft_elsewhere_is_free_to_match():
     """The pass computes 1 + 5 positions anyway: an auto row may as well
     draft up to 5, even with poor acceptance."""
     policy = PassLength(PROFILE)
-    assert policy.choose(2, [([0.3] * 8, 8)], fixed=5, others=1.0) == 5
+    assert policy.choose(2, [([0.3] * 8, 8)], fixed=5, others=1.0) == (5, 0)
 
 
 def test_the_cost_model_learns_the_batch_passes():
     """Passes that really cost 2 ms + 3 ms per token computed, plus 4 ms
-    whenever they draft: after enough of them the model predicts that."""
+    per MTP head step: after enough of them the model predicts that."""
     policy = PassLength(PROFILE)
     for i in range(300):
-        B, T = 1 + i % 4, 1 + i % 5
-        policy.observe(B, T, 0.002 + 0.003 * B * T + 0.004 * (T > 1))
-    for B, T in ((1, 1), (4, 1), (4, 3), (8, 6)):
-        want = 0.002 + 0.003 * B * T + 0.004 * (T > 1)
-        assert policy.cost(B, T) == pytest.approx(want, rel=0.02)
+        B, T, S = 1 + i % 4, 1 + i % 5, i % 3
+        policy.observe(B, T, 0.002 + 0.003 * B * T + 0.004 * S, S)
+    for B, T, S in ((1, 1, 0), (4, 1, 0), (4, 3, 2), (8, 6, 5)):
+        want = 0.002 + 0.003 * B * T + 0.004 * S
+        assert policy.cost(B, T, S) == pytest.approx(want, rel=0.02)
 
 
 def test_passes_of_one_shape_keep_a_cost_that_grows_with_the_draft():
@@ -60,4 +60,22 @@ def test_passes_of_one_shape_keep_a_cost_that_grows_with_the_draft():
     costs = [policy.cost(4, T) for T in range(1, 10)]
     assert all(a < b for a, b in zip(costs, costs[1:]))
     assert policy.cost(4, 1) == pytest.approx(0.011, rel=0.1)
-    assert policy.choose(4, [([0.9] * 8, 8)] * 4) >= 1
+    assert policy.choose(4, [([0.9] * 8, 8)] * 4)[0] >= 1
+
+
+@pytest.mark.parametrize("step_ms", [12.0, 0.0])
+def test_rows_drafting_with_the_head_get_their_own_length(step_ms):
+    """Two rows copying (acceptance 0.95) and two drafting with the MTP head
+    (0.75), on passes costing 12.5 ms + 1.9 ms per token computed (the demo
+    model at four rows). Each head draft is a head step for all head rows;
+    when a step costs 12 ms the copies draft and the head rows do not
+    (filling them up to the copies' length had cost a step per position);
+    when steps are free both draft."""
+    policy = PassLength(PROFILE)
+    for i in range(300):
+        B, T, S = 1 + i % 4, 1 + i % 5, i % 3
+        policy.observe(B, T, 1e-3 * (12.5 + 1.9 * B * T + step_ms * S), S)
+    copies, heads = [([0.95] * 8, 8)] * 2, [([0.75] * 8, 8)] * 2
+    k, k_head = policy.choose(4, copies, head=heads)
+    assert k >= 2
+    assert (k_head == 0) if step_ms else (k_head >= 2)

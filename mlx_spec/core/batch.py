@@ -200,7 +200,7 @@ class BatchDecoder:
             return {}
         tic = time.perf_counter()
         ks = self._draft_lengths(active)
-        head_seconds = self._draft_heads(ks)
+        head_seconds, head_steps = self._draft_heads(ks)
         drafts, seconds = {}, {}
         for b in active:
             drafts[b], seconds[b] = self._draft(self.rows[b], ks[b])
@@ -235,29 +235,35 @@ class BatchDecoder:
             c.commit(kept[0] if B == 1 else kept)
             c.lengths = None
         if self.lengths is not None:
-            self.lengths.observe(B, T, time.perf_counter() - tic)
+            self.lengths.observe(B, T, time.perf_counter() - tic, head_steps)
         return out
 
     def _draft_lengths(self, active: List[int]) -> Dict[int, int]:
         """Each active row's draft length. A fixed number stays; ``auto``
-        rows share the length :class:`PassLength` chooses for the batch (a
-        row alone: its own policy's choice). Then an ``auto`` row drafting
+        rows share the lengths :class:`PassLength` chooses for the batch, one
+        for the rows drafting copies, one for the rows drafting with the MTP
+        head (a row alone: its own policy's choice). Then a copy row drafting
         less than the longest draft drafts up to that length as far as it
         may: the pass computes every row over the same ``1 + longest``
-        positions, so those drafts cost no verify time (and the head steps
-        run for the longest draft anyway)."""
-        ks, caps, auto = {}, {}, []
+        positions, so those drafts cost nothing. A head row's would not:
+        each of its drafts is a head step."""
+        ks, caps, auto, heads = {}, {}, [], set()
         for b in active:
             row = self.rows[b]
             room = min(row.max_draft, row.remaining - 1)
             if row.decoder.drafter is None:
                 ks[b] = caps[b] = 0
-            elif row.policy is None:
-                ks[b] = caps[b] = room
+                continue
+            caps[b] = room if row.policy is None else min(room, row.decoder.max_draft)
+            # its source (heads are caught up later, together)
+            source = row.decoder.draft_source(caps[b], look=False)
+            head = head_drafter(row.decoder.drafter)
+            if head is not None and (source == "mtp" or head is row.decoder.drafter):
+                heads.add(b)
+            if row.policy is None:
+                ks[b] = room
             else:
-                caps[b] = min(room, row.decoder.max_draft)
-                # its source's policy; heads are caught up later, together
-                row.policy.select(row.decoder.draft_source(caps[b], look=False))
+                row.policy.select(source)
                 auto.append(b)
         if len(auto) == len(self.rows) == 1:  # alone: as one sequence
             (b,) = auto
@@ -265,22 +271,34 @@ class BatchDecoder:
             room = min(row.max_draft, row.remaining - 1)
             ks[b] = row.policy.active.choose(room, len(row.decoder.history))
         elif auto:
-            k = self.lengths.choose(
+
+            def group(with_head: bool):
+                return [
+                    (self.rows[b].policy.active.acceptance(), caps[b])
+                    for b in auto
+                    if (b in heads) == with_head
+                ]
+
+            k, k_head = self.lengths.choose(
                 len(self.rows),
-                [(self.rows[b].policy.active.acceptance(), caps[b]) for b in auto],
+                group(False),
                 max(ks.values(), default=0),
                 float(len(ks)),  # rows not auto: one token each, at least
+                group(True),
+                max((ks[b] for b in heads if b in ks), default=0),
             )
-            ks.update({b: min(k, caps[b]) for b in auto})
+            ks.update({b: min(k_head if b in heads else k, caps[b]) for b in auto})
         longest = max(ks.values())
-        return {b: max(k, min(longest, caps[b])) for b, k in ks.items()}
+        return {
+            b: k if b in heads else max(k, min(longest, caps[b])) for b, k in ks.items()
+        }
 
-    def _draft_heads(self, ks: Dict[int, int]) -> Dict[int, float]:
+    def _draft_heads(self, ks: Dict[int, int]) -> Tuple[Dict[int, float], int]:
         """Catch up and draft the rows whose drafts come from the batch's MTP
         head, all at once (their drafters then return these drafts); each
-        such row's share of the seconds drafting took."""
+        such row's share of the seconds drafting took, and the head steps run."""
         if self.heads is None:
-            return {}
+            return {}, 0
         index = {id(m): i for i, m in enumerate(self.heads.members)}
         rows = {}  # row -> member index, for rows drafting from the head's state
         for b, k in ks.items():
@@ -298,7 +316,7 @@ class BatchDecoder:
         if wants:
             self.heads.draft(wants)
         share = (time.perf_counter() - tic) / max(len(rows), 1)
-        return {b: share for b in rows}
+        return {b: share for b in rows}, max(wants.values(), default=0)
 
     def _draft(self, row: _Row, k: int) -> Tuple[List[int], float]:
         """The row's draft of up to ``k`` tokens and the seconds drafting took

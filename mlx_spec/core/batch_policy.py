@@ -1,18 +1,21 @@
-"""One draft length for the ``auto`` rows of a batch pass.
+"""Draft lengths for the ``auto`` rows of a batch pass.
 
 Alone, a sequence's ``auto`` policy weighs a pass of ``1 + k`` tokens by the
 single-sequence verify profile. In a batch every row is computed over the
-same ``T = 1 + the longest draft`` positions, so a pass costs about
+same ``T = 1 + the longest draft`` positions, and the rows drafting with the
+model's MTP head run its steps together, so a pass costs about
 
-    alpha + beta * B * T + gamma * (T > 1)
+    alpha + beta * B * T + gamma * S
 
 (measured on CPU: the forward grows with the tokens it computes, ``B * T``,
-over a fixed part; a pass that drafts also pays the drafters' fixed work,
-e.g. the MTP head catching up on the accepted rows). One row's longer draft
-makes every row pay, which a row's own profile undercounts. So with two or
-more rows the ``auto`` rows share one draft length ``k``: the one maximising
+over a fixed part; ``S`` head steps, the longest head draft, each one
+forward of the head for all its rows, the first also catching them up on
+their accepted rows). One row's longer draft makes every row pay, which a
+row's own profile undercounts. So with two or more rows the ``auto`` rows
+share draft lengths: ``k`` for the rows whose drafts cost nothing to make
+(copies), ``k_h`` for the rows drafting with the head, the pair maximising
 
-    sum over auto rows of E_b(k)  /  cost(B, 1 + k)
+    sum over auto rows of E_b(k or k_h)  /  cost(B, 1 + max(k, k_h), k_h)
 
 ``E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` from each row's own acceptance
 estimates (its :class:`~mlx_spec.core.policy.DraftLengthPolicy`, which keeps
@@ -47,8 +50,8 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     return tokens
 
 
-def _features(rows: int, T: int) -> np.ndarray:
-    return np.array([1.0, rows * T, float(T > 1)])
+def _features(rows: int, T: int, head_steps: int) -> np.ndarray:
+    return np.array([1.0, rows * T, float(head_steps)])
 
 
 class PassLength:
@@ -67,7 +70,7 @@ class PassLength:
         # apart only by it and the prior).
         A0, b0 = np.diag([0.0, 0.0, 1.0]), np.zeros(3)
         for T in range(1, n + 1):
-            f = _features(1, T) * [1, 1, 0]
+            f = _features(1, T, 0)
             A0 += np.outer(f, f) / n
             b0 += f * (f @ prior) / n
         self._A, self._b = PRIOR_WEIGHT * A0, PRIOR_WEIGHT * b0
@@ -81,17 +84,19 @@ class PassLength:
         self._theta = None  # the fitted (alpha, beta, gamma)
         self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
 
-    def cost(self, rows: int, T: int) -> float:
-        """Seconds of a pass over ``rows`` rows of ``T`` positions."""
+    def cost(self, rows: int, T: int, head_steps: int = 0) -> float:
+        """Seconds of a pass over ``rows`` rows of ``T`` positions, with
+        ``head_steps`` steps of the MTP head."""
         if self._theta is None:
             self._theta = np.linalg.solve(self._A, self._b)
-        return max(float(_features(rows, T) @ self._theta), 1e-9)
+        return max(float(_features(rows, T, head_steps) @ self._theta), 1e-9)
 
-    def observe(self, rows: int, T: int, seconds: float):
-        """A pass over ``rows`` rows of ``T`` positions took ``seconds``."""
+    def observe(self, rows: int, T: int, seconds: float, head_steps: int = 0):
+        """A pass over ``rows`` rows of ``T`` positions with ``head_steps``
+        head steps took ``seconds``."""
         if not 0 < seconds < 60:
             return  # a clock anomaly
-        f = _features(rows, T)
+        f = _features(rows, T, head_steps)
         self._theta = None  # refitted when next needed
         self._A = DECAY * self._A + np.outer(f, f) + self._floor[0]
         self._b = DECAY * self._b + f * seconds + self._floor[1]
@@ -102,16 +107,29 @@ class PassLength:
         auto: List[Tuple[Sequence[float], int]],
         fixed: int = 0,
         others: float = 0.0,
-    ) -> int:
-        """The draft length of the auto rows, each given as (acceptance,
-        most drafts it may make); ``rows``: rows the pass computes;
-        ``fixed``: the longest draft of the other rows (the pass computes at
-        least ``1 + fixed`` positions); ``others``: their expected tokens."""
-        limit = max(cap for _, cap in auto)
+        head: List[Tuple[Sequence[float], int]] = (),
+        head_fixed: int = 0,
+    ) -> Tuple[int, int]:
+        """The draft lengths ``(k, k_h)`` of the auto rows drafting copies
+        (``auto``) and with the MTP head (``head``), each row given as
+        (acceptance, most drafts it may make); ``rows``: rows the pass
+        computes; ``fixed``: the longest draft of the other rows (the pass
+        computes at least ``1 + fixed`` positions); ``others``: their
+        expected tokens; ``head_fixed``: the head steps they run."""
+        limit = max((cap for _, cap in auto), default=0)
+        head_limit = max((cap for _, cap in head), default=0)
 
-        def speed(k: int) -> float:
+        def speed(ks: Tuple[int, int]) -> float:
+            k, kh = ks
             tokens = others + sum(expected_tokens(a, min(k, c)) for a, c in auto)
-            return tokens / self.cost(rows, 1 + max(k, fixed))
+            tokens += sum(expected_tokens(a, min(kh, c)) for a, c in head)
+            T = 1 + max(k, kh, fixed)
+            return tokens / self.cost(rows, T, max(kh, head_fixed))
 
-        best = reprobe(self, max(range(limit + 1), key=speed), limit)
-        return best if self.group is None else from_rank0(self.group, best)
+        pairs = [(k, kh) for k in range(limit + 1) for kh in range(head_limit + 1)]
+        k, kh = max(pairs, key=speed)
+        if reprobe(self, max(k, kh), max(limit, head_limit)) > max(k, kh):
+            k, kh = min(1, limit), min(1, head_limit)  # one draft for every row
+        if self.group is not None:
+            k, kh = from_rank0(self.group, k), from_rank0(self.group, kh)
+        return k, kh
