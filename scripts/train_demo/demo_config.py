@@ -57,7 +57,7 @@ class DemoConfig:
     compile: bool = False  # mx.compile the training steps (~same speed on CPU)
     ckpt_every: int = 25  # steps between resumable checkpoints
     # MTP training (target frozen)
-    mtp_steps: int = 250
+    mtp_steps: int = 1000
     mtp_lr: float = 2e-3
     mtp_batch_size: int = 4
     mtp_distill: float = 0.7  # weight of the soft (target-distribution) loss
