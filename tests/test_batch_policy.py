@@ -79,3 +79,17 @@ def test_rows_drafting_with_the_head_get_their_own_length(step_ms):
     k, k_head = policy.choose(4, copies, head=heads)
     assert k >= 2
     assert (k_head == 0) if step_ms else (k_head >= 2)
+
+
+def test_a_head_step_is_not_charged_with_the_catch_up_before_it():
+    """Head passes cost 5 ms a step plus 0.1 ms per position the head
+    catches up: few after a drafting pass, hundreds after a stretch at
+    k = 0. The fit tells the two apart, so a head step is priced at its
+    5 ms, not at the catch-up a probe after a long stretch pays."""
+    policy = PassLength(PROFILE)
+    for i in range(300):
+        S = i % 3
+        C = (64 * (1 + i % 4) if i % 5 == 0 else 8) if S else 0
+        policy.observe(4, 1 + S, 0.012 + 0.002 * 4 * (1 + S) + 0.005 * S + 1e-4 * C, S, C)
+    step = policy.cost(4, 2, 1) - policy.cost(4, 2, 0)
+    assert step == pytest.approx(0.005, rel=0.1)

@@ -200,7 +200,7 @@ class BatchDecoder:
             return {}
         tic = time.perf_counter()
         ks = self._draft_lengths(active)
-        head_seconds, head_steps = self._draft_heads(ks)
+        head_seconds, head_steps, catch_up = self._draft_heads(ks)
         drafts, seconds = {}, {}
         for b in active:
             drafts[b], seconds[b] = self._draft(self.rows[b], ks[b])
@@ -235,7 +235,8 @@ class BatchDecoder:
             c.commit(kept[0] if B == 1 else kept)
             c.lengths = None
         if self.lengths is not None:
-            self.lengths.observe(B, T, time.perf_counter() - tic, head_steps)
+            seconds = time.perf_counter() - tic
+            self.lengths.observe(B, T, seconds, head_steps, catch_up)
         return out
 
     def _draft_lengths(self, active: List[int]) -> Dict[int, int]:
@@ -293,12 +294,13 @@ class BatchDecoder:
             b: k if b in heads else max(k, min(longest, caps[b])) for b, k in ks.items()
         }
 
-    def _draft_heads(self, ks: Dict[int, int]) -> Tuple[Dict[int, float], int]:
+    def _draft_heads(self, ks: Dict[int, int]) -> Tuple[Dict[int, float], int, int]:
         """Catch up and draft the rows whose drafts come from the batch's MTP
         head, all at once (their drafters then return these drafts); each
-        such row's share of the seconds drafting took, and the head steps run."""
+        such row's share of the seconds drafting took, the head steps run and
+        the positions of the catch-up."""
         if self.heads is None:
-            return {}, 0
+            return {}, 0, 0
         index = {id(m): i for i, m in enumerate(self.heads.members)}
         rows = {}  # row -> member index, for rows drafting from the head's state
         for b, k in ks.items():
@@ -306,7 +308,7 @@ class BatchDecoder:
             mtp = head_drafter(drafter)
             if k > 0 and id(mtp) in index and drafter.needs_head_state(k):
                 rows[b] = index[id(mtp)]
-        self.heads.catch_up([self.heads.members[i] for i in rows.values()])
+        catch_up = self.heads.catch_up([self.heads.members[i] for i in rows.values()])
         tic = time.perf_counter()
         wants = {
             i: ks[b]
@@ -316,7 +318,7 @@ class BatchDecoder:
         if wants:
             self.heads.draft(wants)
         share = (time.perf_counter() - tic) / max(len(rows), 1)
-        return {b: share for b in rows}, max(wants.values(), default=0)
+        return {b: share for b in rows}, max(wants.values(), default=0), catch_up
 
     def _draft(self, row: _Row, k: int) -> Tuple[List[int], float]:
         """The row's draft of up to ``k`` tokens and the seconds drafting took

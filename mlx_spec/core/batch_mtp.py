@@ -94,12 +94,13 @@ class MTPBatch:
             c.trim_rows([L - n for n in lengths])
         return hm
 
-    def catch_up(self, mtps: List[MTPDrafter]):
+    def catch_up(self, mtps: List[MTPDrafter]) -> int:
         """Run the deferred rows of ``mtps`` (members) in one forward, and
         evaluate it, so that timing the following draft measures drafting
-        alone. A member with ``PENDING_ROWS`` deferred rows joins in anyway,
-        which bounds what a member holds; so does any member with no more
-        rows than the forward's length (its positions are computed anyway)."""
+        alone; the positions it computed (0: nothing ran). A member with
+        ``PENDING_ROWS`` deferred rows joins in anyway, which bounds what a
+        member holds; so does any member with no more rows than the
+        forward's length (its positions are computed anyway)."""
         needed = [
             b
             for b, m in enumerate(self.members)
@@ -107,7 +108,7 @@ class MTPBatch:
             and (any(m is x for x in mtps) or m.pending_rows >= PENDING_ROWS)
         ]
         if not needed:
-            return
+            return 0
         L = max(self.members[b].pending_rows for b in needed)
         wanted = {
             b: m.take_pending()
@@ -122,6 +123,7 @@ class MTPBatch:
         for b, n in lengths.items():
             self.members[b].set_last_row(last[b : b + 1], logits[b, 0], n)
         mx.eval(logits, last, [(c.keys, c.values) for c in self.caches])
+        return hm.shape[0] * hm.shape[1]
 
     def draft(self, wants: Dict[int, int]):
         """Draft ``k`` tokens for each member index -> k in ``wants`` (caught

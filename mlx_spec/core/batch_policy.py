@@ -5,18 +5,22 @@ single-sequence verify profile. In a batch every row is computed over the
 same ``T = 1 + the longest draft`` positions, and the rows drafting with the
 model's MTP head run its steps together, so a pass costs about
 
-    alpha + beta * B * T + gamma * S
+    alpha + beta * B * T + gamma * S + delta * C
 
 (measured on CPU: the forward grows with the tokens it computes, ``B * T``,
 over a fixed part; ``S`` head steps, the longest head draft, each one
-forward of the head for all its rows, the first also catching them up on
-their accepted rows). One row's longer draft makes every row pay, which a
+forward of the head for all its rows; ``C`` positions of the head's catch-up
+over the rows accepted since it last ran). One row's longer draft makes every row pay, which a
 row's own profile undercounts. So with two or more rows the ``auto`` rows
 share draft lengths: ``k`` for the rows whose drafts cost nothing to make
 (copies), ``k_h`` for the rows drafting with the head, the pair maximising
 
     sum over auto rows of E_b(k or k_h)  /  cost(B, 1 + max(k, k_h), k_h)
 
+(the catch-up is left out of the choice: the head runs it before its next
+draft whenever that is, and after ``PENDING_ROWS`` deferred rows anyway; in
+the fit it keeps a probe after a long stretch without drafts, which catches
+up many rows, from making a head step look dear).
 ``E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` from each row's own acceptance
 estimates (its :class:`~mlx_spec.core.policy.DraftLengthPolicy`, which keeps
 learning from the row's passes). The cost starts from the single-sequence
@@ -50,8 +54,8 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     return tokens
 
 
-def _features(rows: int, T: int, head_steps: int) -> np.ndarray:
-    return np.array([1.0, rows * T, float(head_steps)])
+def _features(rows: int, T: int, head_steps: int, catch_up: int) -> np.ndarray:
+    return np.array([1.0, rows * T, float(head_steps), float(catch_up)])
 
 
 class PassLength:
@@ -63,14 +67,14 @@ class PassLength:
         self.group = group
         n = len(verify_costs)
         beta = max((verify_costs[-1] - verify_costs[0]) / max(n - 1, 1), 1e-6)
-        prior = np.array([max(verify_costs[0] - beta, 0.0), beta, 0.0])
+        prior = np.array([max(verify_costs[0] - beta, 0.0), beta, 0.0, 0.0])
         # Normal equations of the decayed least squares. The prior, per pass
         # of weight: the profile's line spread over T = 1..n, plus a pull of
-        # gamma towards 0 (while every pass drafts, gamma and alpha are told
-        # apart only by it and the prior).
-        A0, b0 = np.diag([0.0, 0.0, 1.0]), np.zeros(3)
+        # gamma and delta towards 0 (while every pass drafts, gamma and alpha
+        # are told apart only by it and the prior).
+        A0, b0 = np.diag([0.0, 0.0, 1.0, 1.0]), np.zeros(4)
         for T in range(1, n + 1):
-            f = _features(1, T, 0)
+            f = _features(1, T, 0, 0)
             A0 += np.outer(f, f) / n
             b0 += f * (f @ prior) / n
         self._A, self._b = PRIOR_WEIGHT * A0, PRIOR_WEIGHT * b0
@@ -79,24 +83,28 @@ class PassLength:
         # alone let noise fit a negative alpha and a steep beta, with which
         # no draft ever looked affordable.
         floor = PRIOR_FLOOR * A0
-        floor[2, 2] = GAMMA_PULL
+        floor[2, 2] = floor[3, 3] = GAMMA_PULL
         self._floor = ((1 - DECAY) * floor, (1 - DECAY) * PRIOR_FLOOR * b0)
-        self._theta = None  # the fitted (alpha, beta, gamma)
+        self._theta = None  # the fitted (alpha, beta, gamma, delta)
         self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
 
-    def cost(self, rows: int, T: int, head_steps: int = 0) -> float:
+    def cost(self, rows: int, T: int, head_steps: int = 0, catch_up: int = 0) -> float:
         """Seconds of a pass over ``rows`` rows of ``T`` positions, with
-        ``head_steps`` steps of the MTP head."""
+        ``head_steps`` steps of the MTP head and ``catch_up`` positions of
+        its catch-up."""
         if self._theta is None:
             self._theta = np.linalg.solve(self._A, self._b)
-        return max(float(_features(rows, T, head_steps) @ self._theta), 1e-9)
+        f = _features(rows, T, head_steps, catch_up)
+        return max(float(f @ self._theta), 1e-9)
 
-    def observe(self, rows: int, T: int, seconds: float, head_steps: int = 0):
+    def observe(
+        self, rows: int, T: int, seconds: float, head_steps: int = 0, catch_up: int = 0
+    ):
         """A pass over ``rows`` rows of ``T`` positions with ``head_steps``
-        head steps took ``seconds``."""
+        head steps and ``catch_up`` catch-up positions took ``seconds``."""
         if not 0 < seconds < 60:
             return  # a clock anomaly
-        f = _features(rows, T, head_steps)
+        f = _features(rows, T, head_steps, catch_up)
         self._theta = None  # refitted when next needed
         self._A = DECAY * self._A + np.outer(f, f) + self._floor[0]
         self._b = DECAY * self._b + f * seconds + self._floor[1]
