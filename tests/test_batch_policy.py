@@ -90,6 +90,8 @@ def test_a_head_step_is_not_charged_with_the_catch_up_before_it():
     for i in range(300):
         S = i % 3
         C = (64 * (1 + i % 4) if i % 5 == 0 else 8) if S else 0
-        policy.observe(4, 1 + S, 0.012 + 0.002 * 4 * (1 + S) + 0.005 * S + 1e-4 * C, S, C)
+        policy.observe(
+            4, 1 + S, 0.012 + 0.002 * 4 * (1 + S) + 0.005 * S + 1e-4 * C, S, C
+        )
     step = policy.cost(4, 2, 1) - policy.cost(4, 2, 0)
     assert step == pytest.approx(0.005, rel=0.1)
