@@ -235,8 +235,8 @@ class BatchDecoder:
             c.commit(kept[0] if B == 1 else kept)
             c.lengths = None
         if self.lengths is not None:
-            seconds = time.perf_counter() - tic
-            self.lengths.observe(B, T, seconds, head_steps, catch_up)
+            elapsed = time.perf_counter() - tic
+            self.lengths.observe(B, T, elapsed, head_steps, catch_up)
         return out
 
     def _draft_lengths(self, active: List[int]) -> Dict[int, int]:
