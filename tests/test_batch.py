@@ -225,24 +225,32 @@ def test_a_long_sequence_joins_a_batch_of_short_ones(models, family):
     assert got == want
 
 
+def _beside_a_row_drafting_five(model, tok, drafter):
+    """An ``auto`` row decoding a short prompt with ``drafter(prompt, ref)``
+    beside a row drafting 5 tokens a pass: its tokens, plain decoding's
+    tokens and its stats."""
+    long, short = prompts("mixed", seed=11), prompts("random", seed=12)
+    batch = BatchDecoder(model, n_slots=2, max_draft=8)
+    sure = OracleDrafter(long + reference_tokens(model, tok, long, 200))
+    batch.add(joined(model, long, sure, 8), 200, num_draft_tokens=5)
+    ref = reference_tokens(model, tok, short, 30)
+    row = batch.add(joined(model, short, drafter(short, ref), 8), 30, stop_tokens={EOS})
+    got = []
+    while row in batch.active:
+        got += batch.step().get(row, ([], None))[0]
+    return got, ref, batch.take(row).stats
+
+
 def test_an_auto_row_drafts_as_long_as_the_pass(models, family):
     """Beside a row drafting 5 tokens a pass, an ``auto`` row whose drafts
     are never accepted still verifies up to 5 drafts each pass (the pass
     computes those positions for every row anyway), and its tokens are
     still plain decoding's."""
     model, tok = models[family]
-    long, short = prompts("mixed", seed=11), prompts("random", seed=12)
-    batch = BatchDecoder(model, n_slots=2, max_draft=8)
-    sure = OracleDrafter(long + reference_tokens(model, tok, long, 200))
-    batch.add(joined(model, long, sure, 8), 200, num_draft_tokens=5)
-    ref = reference_tokens(model, tok, short, 30)
-    wrong = OracleDrafter(short + ref, error=1.0)
-    row = batch.add(joined(model, short, wrong, 8), 30, stop_tokens={EOS})
-    got = []
-    while row in batch.active:
-        got += batch.step().get(row, ([], None))[0]
+    got, ref, stats = _beside_a_row_drafting_five(
+        model, tok, lambda prompt, ref: OracleDrafter(prompt + ref, error=1.0)
+    )
     assert got == ref
-    stats = batch.take(row).stats
     assert stats.verify_passes == len(ref) and stats.accepted == 0
     assert stats.drafted == sum(min(5, 29 - i) for i in range(len(ref)))
 
@@ -253,15 +261,8 @@ def test_a_head_row_does_not_draft_up_to_a_copy_rows_length(models, family):
     of its drafts would be one more head step. Its tokens are plain
     decoding's."""
     model, tok = models[family]
-    long, short = prompts("mixed", seed=11), prompts("random", seed=12)
-    batch = BatchDecoder(model, n_slots=2, max_draft=8)
-    sure = OracleDrafter(long + reference_tokens(model, tok, long, 200))
-    batch.add(joined(model, long, sure, 8), 200, num_draft_tokens=5)
-    ref = reference_tokens(model, tok, short, 30)
-    row = batch.add(joined(model, short, make_drafter("mtp", model), 8), 30)
-    got = []
-    while row in batch.active:
-        got += batch.step().get(row, ([], None))[0]
+    got, ref, stats = _beside_a_row_drafting_five(
+        model, tok, lambda prompt, ref: make_drafter("mtp", model)
+    )
     assert got == ref
-    stats = batch.take(row).stats
     assert stats.drafted < 2 * stats.verify_passes  # filled: 5 a pass
