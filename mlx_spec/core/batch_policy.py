@@ -10,9 +10,9 @@ model's MTP head run its steps together, so a pass costs about
 (measured on CPU: the forward grows with the tokens it computes, ``B * T``,
 over a fixed part; ``S`` head steps, the longest head draft, each one
 forward of the head for all its rows; ``C`` positions of the head's catch-up
-over the rows accepted since it last ran). One row's longer draft makes every row pay, which a
-row's own profile undercounts. So with two or more rows the ``auto`` rows
-share draft lengths: ``k`` for the rows whose drafts cost nothing to make
+over the rows accepted since it last ran). One row's longer draft makes
+every row pay, which a row's own profile undercounts. So with two or more
+rows the ``auto`` rows share draft lengths: ``k`` for the rows whose drafts cost nothing to make
 (copies), ``k_h`` for the rows drafting with the head, the pair maximising
 
     sum over auto rows of E_b(k or k_h)  /  cost(B, 1 + max(k, k_h), k_h)
