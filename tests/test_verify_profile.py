@@ -1,0 +1,97 @@
+"""The verify-cost profile behind ``auto``: measured once, kept on disk."""
+
+import time
+
+import pytest
+
+import mlx_spec
+import mlx_spec.core.policy as policy
+from mlx_spec.core.policy import verify_cost_profile
+from mlx_spec.testing.reference import prompts
+
+
+def test_verify_cost_profile_is_cached_and_positive(models):
+    model, _ = models["qwen3_5_moe"]
+    costs = verify_cost_profile(model, 4, repeats=1)
+    assert len(costs) == 4 and all(c > 0 for c in costs)
+    assert verify_cost_profile(model, 4) == costs
+
+
+@pytest.fixture
+def fresh_profiles(monkeypatch, tmp_path):
+    """An empty profile cache on disk and in the process; counts measurements."""
+    monkeypatch.setenv(policy.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(policy, "_profiles", {})
+    measured = []
+    real = policy.measure_verify_costs
+
+    def measure(model, max_tokens, repeats=3, context=policy.PROFILE_CONTEXTS[0]):
+        measured.append(max_tokens)
+        return real(model, max_tokens, 1, context)
+
+    monkeypatch.setattr(policy, "measure_verify_costs", measure)
+    return measured
+
+
+def test_profile_is_kept_on_disk_per_machine_mlx_and_model(
+    models, fresh_profiles, monkeypatch
+):
+    model, other = models["qwen3_5"][0], models["qwen3_next"][0]
+    costs = verify_cost_profile(model, 3)
+    assert policy.profile_cache_file().exists() and fresh_profiles == [3]
+    long = verify_cost_profile(model, 3, context=policy.PROFILE_CONTEXTS[1])
+    assert fresh_profiles == [3, 3]  # each context is measured once
+    monkeypatch.setattr(policy, "_profiles", {})  # a new process
+    assert verify_cost_profile(model, 3) == costs and fresh_profiles == [3, 3]
+    long_again = verify_cost_profile(model, 3, context=policy.PROFILE_CONTEXTS[1])
+    assert long_again == long and fresh_profiles == [3, 3]
+    fresh_profiles.clear()
+    verify_cost_profile(other, 3)  # another model: measured
+    assert fresh_profiles == [3]
+    monkeypatch.setattr(policy, "_profiles", {})
+    monkeypatch.setattr(policy.mx, "__version__", "0.0.0-other")
+    verify_cost_profile(model, 3)  # another MLX version: measured again
+    assert fresh_profiles == [3, 3]
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"x": 1}', ""])
+def test_broken_profile_cache_is_measured_again(
+    models, fresh_profiles, monkeypatch, content
+):
+    model, _ = models["qwen3_5"]
+    policy.profile_cache_file().write_text(content)
+    assert len(verify_cost_profile(model, 2)) == 2 and fresh_profiles == [2]
+    monkeypatch.setattr(policy, "_profiles", {})
+    verify_cost_profile(model, 2)  # the rewritten file is good
+    assert fresh_profiles == [2]
+
+
+def test_unwritable_profile_cache_only_costs_a_measurement(
+    models, fresh_profiles, monkeypatch, tmp_path
+):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(policy.CACHE_DIR_ENV, str(blocker / "sub"))
+    model, _ = models["qwen3_5"]
+    assert len(verify_cost_profile(model, 2)) == 2 and fresh_profiles == [2]
+
+
+def test_profile_time_is_not_prompt_time(models, fresh_profiles, monkeypatch):
+    """The one-off profile is reported apart from prompt processing: a
+    profile that takes 1,000 s (on a fake clock) leaves the prompt rate alone."""
+    model, tok = models["qwen3_5"]
+    real_clock, skew = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + skew[0])
+    measure = policy.measure_verify_costs
+
+    def slow(*args, **kwargs):
+        skew[0] += 1000.0
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(policy, "measure_verify_costs", slow)
+    stats = mlx_spec.SpecStats()
+    prompt = prompts("mixed")
+    for r in mlx_spec.stream_generate(model, tok, prompt, 4, stats=stats):
+        pass
+    assert stats.profile_seconds >= 1000.0
+    assert r.prompt_tps > len(prompt) / 100.0
