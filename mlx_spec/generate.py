@@ -8,7 +8,8 @@ from typing import List, Optional, Union
 import mlx.core as mx
 
 from .core.decode import SpeculativeDecoder, speculative_generate_step
-from .core.policy import most_drafts, verify_cost_profiles
+from .core.policy import most_drafts
+from .core.verify_profile import verify_cost_profiles
 from .core.state import ROLLBACK_STRATEGIES
 from .core.stats import SpecStats
 from .drafters import DRAFTS, default_draft, make_drafter

@@ -20,7 +20,7 @@ from mlx_spec.testing.reference import register_twin
 def _private_cache_dir(tmp_path_factory):
     """Measured verify-cost profiles go to a folder of this test session (and
     of the commands it starts), never the user's cache."""
-    from mlx_spec.core.policy import CACHE_DIR_ENV
+    from mlx_spec.core.verify_profile import CACHE_DIR_ENV
 
     saved = os.environ.get(CACHE_DIR_ENV)
     os.environ[CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("mlx_spec_cache"))

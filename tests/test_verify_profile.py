@@ -5,8 +5,8 @@ import time
 import pytest
 
 import mlx_spec
-import mlx_spec.core.policy as policy
-from mlx_spec.core.policy import verify_cost_profile
+import mlx_spec.core.verify_profile as profile
+from mlx_spec.core.verify_profile import verify_cost_profile
 from mlx_spec.testing.reference import prompts
 
 
@@ -20,16 +20,16 @@ def test_verify_cost_profile_is_cached_and_positive(models):
 @pytest.fixture
 def fresh_profiles(monkeypatch, tmp_path):
     """An empty profile cache on disk and in the process; counts measurements."""
-    monkeypatch.setenv(policy.CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(policy, "_profiles", {})
+    monkeypatch.setenv(profile.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(profile, "_profiles", {})
     measured = []
-    real = policy.measure_verify_costs
+    real = profile.measure_verify_costs
 
-    def measure(model, max_tokens, repeats=3, context=policy.PROFILE_CONTEXTS[0]):
+    def measure(model, max_tokens, repeats=3, context=profile.PROFILE_CONTEXTS[0]):
         measured.append(max_tokens)
         return real(model, max_tokens, 1, context)
 
-    monkeypatch.setattr(policy, "measure_verify_costs", measure)
+    monkeypatch.setattr(profile, "measure_verify_costs", measure)
     return measured
 
 
@@ -38,18 +38,18 @@ def test_profile_is_kept_on_disk_per_machine_mlx_and_model(
 ):
     model, other = models["qwen3_5"][0], models["qwen3_next"][0]
     costs = verify_cost_profile(model, 3)
-    assert policy.profile_cache_file().exists() and fresh_profiles == [3]
-    long = verify_cost_profile(model, 3, context=policy.PROFILE_CONTEXTS[1])
+    assert profile.profile_cache_file().exists() and fresh_profiles == [3]
+    long = verify_cost_profile(model, 3, context=profile.PROFILE_CONTEXTS[1])
     assert fresh_profiles == [3, 3]  # each context is measured once
-    monkeypatch.setattr(policy, "_profiles", {})  # a new process
+    monkeypatch.setattr(profile, "_profiles", {})  # a new process
     assert verify_cost_profile(model, 3) == costs and fresh_profiles == [3, 3]
-    long_again = verify_cost_profile(model, 3, context=policy.PROFILE_CONTEXTS[1])
+    long_again = verify_cost_profile(model, 3, context=profile.PROFILE_CONTEXTS[1])
     assert long_again == long and fresh_profiles == [3, 3]
     fresh_profiles.clear()
     verify_cost_profile(other, 3)  # another model: measured
     assert fresh_profiles == [3]
-    monkeypatch.setattr(policy, "_profiles", {})
-    monkeypatch.setattr(policy.mx, "__version__", "0.0.0-other")
+    monkeypatch.setattr(profile, "_profiles", {})
+    monkeypatch.setattr(profile.mx, "__version__", "0.0.0-other")
     verify_cost_profile(model, 3)  # another MLX version: measured again
     assert fresh_profiles == [3, 3]
 
@@ -59,9 +59,9 @@ def test_broken_profile_cache_is_measured_again(
     models, fresh_profiles, monkeypatch, content
 ):
     model, _ = models["qwen3_5"]
-    policy.profile_cache_file().write_text(content)
+    profile.profile_cache_file().write_text(content)
     assert len(verify_cost_profile(model, 2)) == 2 and fresh_profiles == [2]
-    monkeypatch.setattr(policy, "_profiles", {})
+    monkeypatch.setattr(profile, "_profiles", {})
     verify_cost_profile(model, 2)  # the rewritten file is good
     assert fresh_profiles == [2]
 
@@ -71,7 +71,7 @@ def test_unwritable_profile_cache_only_costs_a_measurement(
 ):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv(policy.CACHE_DIR_ENV, str(blocker / "sub"))
+    monkeypatch.setenv(profile.CACHE_DIR_ENV, str(blocker / "sub"))
     model, _ = models["qwen3_5"]
     assert len(verify_cost_profile(model, 2)) == 2 and fresh_profiles == [2]
 
@@ -82,13 +82,13 @@ def test_profile_time_is_not_prompt_time(models, fresh_profiles, monkeypatch):
     model, tok = models["qwen3_5"]
     real_clock, skew = time.perf_counter, [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + skew[0])
-    measure = policy.measure_verify_costs
+    measure = profile.measure_verify_costs
 
     def slow(*args, **kwargs):
         skew[0] += 1000.0
         return measure(*args, **kwargs)
 
-    monkeypatch.setattr(policy, "measure_verify_costs", slow)
+    monkeypatch.setattr(profile, "measure_verify_costs", slow)
     stats = mlx_spec.SpecStats()
     prompt = prompts("mixed")
     for r in mlx_spec.stream_generate(model, tok, prompt, 4, stats=stats):

@@ -22,7 +22,7 @@ from typing import Dict, List
 
 import mlx.core as mx
 
-from ..core.policy import verify_cost_profile
+from ..core.verify_profile import verify_cost_profile
 from ..core.stats import SpecStats
 from ..drafters import DRAFTS
 from ..generate import stream_generate

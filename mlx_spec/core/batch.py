@@ -32,7 +32,8 @@ from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
 from .batch_policy import PassLength
 from .decode import SpeculativeDecoder
-from .policy import DraftLengthPolicy, SourcePolicies, verify_cost_profile
+from .policy import DraftLengthPolicy, SourcePolicies
+from .verify_profile import verify_cost_profile
 from .ragged_cache import RaggedKVCache
 from .sampling import make_draft_sampler, make_sampler
 from .state import GDNSlotCache

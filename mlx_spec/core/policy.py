@@ -6,31 +6,24 @@ draft ``i`` is accepted given drafts ``1..i-1`` were. Its cost is modelled as
 the verify forward over ``1+k`` tokens at the current context length (the
 profile, measured once at two context lengths and interpolated: attention
 grows linearly with context), plus what the passes of this generation really
-took beyond their verify forward, learned online from every pass as a line in
-``k``: a constant (host work, the drafter's catch-up, a busier machine) and a
-cost per draft (the drafter's own forwards, which run on the device with the
-verify pass and are invisible to a host timer; its slope leans on the
-host-timed drafting cost until passes of several lengths are seen). The policy picks the ``k`` that maximises tokens per second, which
+took beyond their verify forward, learned online from every pass: a
+constant (host work, a busier machine), a fixed cost of a pass that drafts at
+all (the drafter catching up on the last pass's tokens) and a cost per draft
+(the drafter's own forwards, which run on the device with the verify pass and
+are invisible to a host timer). The policy picks the ``k`` that maximises tokens per second, which
 is ``k = 0`` (plain decoding) whenever speculation does not pay; it then
 re-probes with one draft now and then, so a workload that becomes
-predictable is noticed.
+predictable is noticed, spaced by what a probe costs.
 """
 
-import hashlib
-import json
-import os
-import platform
-import tempfile
-import time
-from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+import math
+from typing import List, Optional, Tuple
 
-import mlx.core as mx
+import numpy as np
 
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
-from ..mlx_lm_compat import make_prompt_cache
-from ..models.fingerprint import model_fingerprint
 from ..models.pipeline import from_rank0
+from .verify_profile import PROFILE_CONTEXTS, verify_cost_profiles
 
 # Prior acceptance per position before any evidence, and its weight (in passes).
 _PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
@@ -45,19 +38,18 @@ PROBE_EVERY = 16  # passes at k = 0 before a one-draft probe
 # few probes; with that evidence the policy's own choice takes over.
 MAX_PROBE_EVERY = 128
 PROBE_STREAK_EVIDENCE = 4.0
+# And the wait is never so short that probes cost more than this share of the
+# plain passes between them (at a long context a probe of the MTP head, its
+# catch-up included, costs about two plain passes: a wait of ~70).
+PROBE_BUDGET = 0.03
 _COST_DECAY = 0.95  # forgetting of older passes in the learned pass cost
-# Trust in the host-timed draft cost, in one-draft passes' worth of evidence.
-_SLOPE_PRIOR_WEIGHT = 0.5
+# Trust in the host-timed draft cost, in one-draft passes' worth of evidence,
+# and (far weaker) in a fixed cost of drafting of 0 (see fitted_costs).
+_SLOPE_PRIOR_WEIGHT, _FIXED_PRIOR_WEIGHT = 0.5, 0.05
 # While drafting, a pass without drafts is timed once the last one's weight
 # (decaying with _COST_DECAY per pass) falls below this: about every 28 passes,
 # so the cost line is anchored at k = 0, not extrapolated to it.
 _PLAIN_PROBE_WEIGHT = 0.25
-# Context lengths (tokens before a pass) the verify costs are measured at.
-PROFILE_CONTEXTS = (32, 1056)
-
-CACHE_DIR_ENV = "MLX_SPEC_CACHE_DIR"  # default: ~/.cache/mlx_spec
-
-_profiles: Dict[tuple, List[float]] = {}  # (id(model), context) -> costs
 
 
 def most_drafts(num_draft_tokens) -> int:
@@ -66,36 +58,6 @@ def most_drafts(num_draft_tokens) -> int:
     if num_draft_tokens == "auto":
         return MAX_AUTO_DRAFT_TOKENS
     return num_draft_tokens
-
-
-def verify_cost_profile(
-    model,
-    max_tokens: int = MAX_AUTO_DRAFT_TOKENS + 1,
-    repeats: int = 3,
-    context: int = PROFILE_CONTEXTS[0],
-):
-    """Seconds of a target forward over T = 1..max_tokens tokens after
-    ``context`` tokens; index 0 is T = 1.
-
-    Measured once per machine, MLX version, BLAS and model: kept for the
-    process and on disk (:func:`profile_cache_file`), so later runs skip it.
-    """
-    key = (id(model), context)
-    if key in _profiles and len(_profiles[key]) >= max_tokens:
-        return _profiles[key][:max_tokens]
-    disk_key = _profile_key(model, max_tokens, context)
-    costs = _read_profile(disk_key, max_tokens)
-    if costs is None:
-        costs = measure_verify_costs(model, max_tokens, repeats, context)
-        _write_profile(disk_key, costs)
-    _profiles[key] = costs
-    return costs
-
-
-def verify_cost_profiles(model) -> Tuple[List[float], List[float]]:
-    """The profile after each of ``PROFILE_CONTEXTS`` tokens (measured or cached)."""
-    short, long = (verify_cost_profile(model, context=c) for c in PROFILE_CONTEXTS)
-    return short, long
 
 
 def make_policy(model, verify_costs: Optional[List[float]] = None, group=None):
@@ -108,99 +70,6 @@ def make_policy(model, verify_costs: Optional[List[float]] = None, group=None):
     return SourcePolicies(
         lambda: DraftLengthPolicy(short, group=group, long_costs=long)
     )
-
-
-def measure_verify_costs(
-    model, max_tokens: int, repeats: int = 3, context: int = PROFILE_CONTEXTS[0]
-) -> List[float]:
-    """Time target forwards over T = 1..max_tokens tokens on this machine.
-
-    On a scratch cache holding ``context`` random tokens (restored after every
-    timed forward), after a warm-up round; the minimum of ``repeats`` rounds
-    (robust to a busy machine), made non-decreasing in T.
-    """
-    vocab = model.model.embed_tokens.weight.shape[0] if hasattr(model, "model") else 2
-    cache = make_prompt_cache(model)
-    for start in range(0, context, 512):
-        n = min(512, context - start)
-        mx.eval(model(mx.random.randint(0, vocab, (1, n)), cache=cache))
-    saved = [c.state for c in cache]
-    best = [float("inf")] * max_tokens
-    for round_ in range(repeats + 1):
-        for T in range(1, max_tokens + 1):
-            tokens = mx.random.randint(0, vocab, (1, T))
-            mx.eval(tokens)
-            tic = time.perf_counter()
-            mx.eval(model(tokens, cache=cache))
-            if round_:  # round 0 warms up every shape
-                best[T - 1] = min(best[T - 1], time.perf_counter() - tic)
-            for c, state in zip(cache, saved):
-                c.state = state
-    costs = []
-    for t in best:
-        costs.append(max(t, costs[-1] if costs else 0.0))
-    return costs
-
-
-def profile_cache_file() -> Path:
-    root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "mlx_spec"
-    return Path(root) / "verify_costs.json"
-
-
-def _profile_key(model, max_tokens: int, context: int) -> str:
-    """What a profile depends on: the machine, its MLX and BLAS, the model."""
-    what = {
-        "host": platform.node(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "device": str(mx.default_device()),
-        "mlx": mx.__version__,
-        "blas": os.environ.get("LD_PRELOAD", ""),
-        "model": model_fingerprint(model),
-        "tokens": max_tokens,
-    }
-    if context != PROFILE_CONTEXTS[0]:  # profiles stored before keep their key
-        what["context"] = context
-    if mx.metal.is_available():
-        what["gpu"] = str(mx.device_info().get("device_name", ""))
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
-
-
-def _read_profile(key: str, max_tokens: int) -> Optional[List[float]]:
-    """The stored profile, or None (missing, unreadable or malformed file)."""
-    try:
-        costs = json.loads(profile_cache_file().read_text())[key]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    valid = (
-        isinstance(costs, list)
-        and len(costs) == max_tokens
-        and all(isinstance(c, float) and 0 < c < 60 for c in costs)
-    )
-    return costs if valid else None
-
-
-def _write_profile(key: str, costs: List[float]):
-    """Store the profile (atomic replace); a cache that cannot be written is
-    only a cost: the profile is measured again next time."""
-    path = profile_cache_file()
-    try:
-        profiles = json.loads(path.read_text())
-        if not isinstance(profiles, dict):
-            profiles = {}
-    except (OSError, ValueError):
-        profiles = {}
-    profiles[key] = costs
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            "w", dir=path.parent, suffix=".tmp", delete=False
-        ) as f:
-            json.dump(profiles, f)
-        os.replace(f.name, path)
-    except OSError:
-        if "f" in locals():
-            Path(f.name).unlink(missing_ok=True)
 
 
 def reprobe(policy, best: int, limit: int) -> int:
@@ -240,9 +109,10 @@ class DraftLengthPolicy:
         self.accepted = [0.0] * self.max_draft  # decayed counts per position
         self.drafted = [0.0] * self.max_draft
         self.draft_cost = 0.0  # host-timed seconds per drafted token
-        # Decayed sums over observed passes of (1, k, k^2, r, k r), r being a
-        # pass's seconds beyond its verify forward: fit r = extra + slope k.
-        self._fit = [0.0] * 5
+        # Normal equations of the decayed least squares over observed passes
+        # of r = extra + fixed [k > 0] + slope k, r being a pass's seconds
+        # beyond its verify forward (see fitted_costs).
+        self._fit_A, self._fit_b = np.zeros((3, 3)), np.zeros(3)
         self._plain_weight = 0.0  # decayed count of timed passes without drafts
         self._warm: set = set()  # draft counts past their first (warm-up) pass
         self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
@@ -272,30 +142,35 @@ class DraftLengthPolicy:
 
     def pass_cost(self, k: int, context: int = PROFILE_CONTEXTS[0]) -> float:
         """Expected seconds of a pass with ``k`` drafts after ``context`` tokens."""
-        extra, slope = self.fitted_costs()
-        return max(self.verify_cost(k, context) + extra + slope * k, 1e-9)
+        extra, fixed, slope = self.fitted_costs()
+        drafting = fixed + slope * k if k else 0.0
+        return max(self.verify_cost(k, context) + extra + drafting, 1e-9)
 
-    def fitted_costs(self) -> Tuple[float, float]:
-        """(extra, per-draft) seconds of a pass beyond its verify forward.
+    def fitted_costs(self) -> Tuple[float, float, float]:
+        """(extra, fixed, per-draft) seconds of a pass beyond its verify
+        forward: ``extra`` for every pass, ``fixed`` once for a pass that
+        drafts at all (the drafter catching up on the last pass's tokens),
+        ``per_draft`` for each draft (its own forward).
 
-        A least-squares line through the observed passes, its slope pulled
-        towards the host-timed drafting cost (all that is known while every
-        pass drafts the same number: a lazy draft's device time shows only
-        in the pass). Before any pass: (0, the host-timed cost).
+        A decayed least-squares fit through the observed passes. Passes of
+        one or two draft lengths do not tell ``fixed`` from ``per_draft``:
+        the per-draft cost is pulled towards the host-timed drafting cost and
+        the fixed one, more weakly, towards 0, so what a first draft costs
+        more is mostly taken as fixed and a longer draft gets tried (and
+        timed). Before any pass: (0, 0, the host-timed cost).
         """
-        n, sk, skk, sr, skr = self._fit
-        lam, b0 = _SLOPE_PRIOR_WEIGHT, self.draft_cost
-        det = n * (skk + lam) - sk * sk
-        if n == 0 or det <= 0:
-            return 0.0, b0
-        extra = (sr * (skk + lam) - sk * (skr + lam * b0)) / det
-        slope = (n * (skr + lam * b0) - sk * sr) / det
-        return extra, max(slope, 0.0)
+        lam_f, lam_s, b0 = _FIXED_PRIOR_WEIGHT, _SLOPE_PRIOR_WEIGHT, self.draft_cost
+        if self._fit_A[0, 0] == 0:
+            return 0.0, 0.0, b0
+        A = self._fit_A + np.diag([0.0, lam_f, lam_s])
+        b = self._fit_b + np.array([0.0, 0.0, lam_s * b0])
+        extra, fixed, slope = np.linalg.solve(A, b)
+        return float(extra), max(float(fixed), 0.0), max(float(slope), 0.0)
 
     @property
     def extra(self) -> Optional[float]:
         """Learned seconds a pass takes beyond verify and drafting (None: no pass yet)."""
-        return self.fitted_costs()[0] if self._fit[0] else None
+        return self.fitted_costs()[0] if self._fit_A[0, 0] else None
 
     def expected_speed(self, k: int, context: int = PROFILE_CONTEXTS[0]) -> float:
         """Expected tokens per second with ``k`` drafts."""
@@ -310,8 +185,11 @@ class DraftLengthPolicy:
         limit = min(limit, self.max_draft)
         best = max(range(limit + 1), key=lambda k: self.expected_speed(k, context))
         self.best = best
+        if best == 0 and self.last_choice and self.probe_every > 1:
+            # Drafting stopped: the first probe waits by what a draft costs.
+            self._space_probes(self.pass_cost(1, context), context)
         best = reprobe(self, best, limit)
-        if best and self._fit[0] and self._plain_weight < _PLAIN_PROBE_WEIGHT:
+        if best and self._fit_A[0, 0] and self._plain_weight < _PLAIN_PROBE_WEIGHT:
             best, self.probing = 0, False  # a cost probe: what a plain pass takes now
         if self.group is not None:
             best = from_rank0(self.group, best)
@@ -356,12 +234,21 @@ class DraftLengthPolicy:
         if n_drafted not in self._warm:  # the first pass of a shape pays warm-up
             self._warm.add(n_drafted)
             return
+        if n_drafted and self.best == 0 and self.probe_every > 1:
+            self._space_probes(seconds, context)
         self._plain_weight = _COST_DECAY * self._plain_weight + (n_drafted == 0)
         k, r = n_drafted, seconds - self.verify_cost(n_drafted, context)
-        self._fit = [
-            _COST_DECAY * old + new
-            for old, new in zip(self._fit, (1.0, k, k * k, r, k * r))
-        ]
+        x = np.array([1.0, float(k > 0), float(k)])
+        self._fit_A = _COST_DECAY * self._fit_A + np.outer(x, x)
+        self._fit_b = _COST_DECAY * self._fit_b + x * r
+
+    def _space_probes(self, seconds: float, context: int):
+        """A probe (not one of a streak) takes ``seconds``: wait long enough
+        before the next for probes to cost at most ``PROBE_BUDGET`` of the
+        plain passes between them."""
+        plain = self.pass_cost(0, context)
+        wait = math.ceil((seconds - plain) / (PROBE_BUDGET * plain))
+        self.probe_every = min(max(self.probe_every, wait), MAX_PROBE_EVERY)
 
 
 class SourcePolicies:

@@ -1,0 +1,151 @@
+"""The verify-cost profile behind ``auto``: what a target forward over
+T = 1..9 tokens takes on this machine, after a short and a long context.
+
+Measured once per machine, MLX version, BLAS and model, kept for the process
+and on disk (:func:`profile_cache_file`), so later runs skip it.
+"""
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
+from ..mlx_lm_compat import make_prompt_cache
+from ..models.fingerprint import model_fingerprint
+
+# Context lengths (tokens before a pass) the verify costs are measured at.
+PROFILE_CONTEXTS = (32, 1056)
+
+CACHE_DIR_ENV = "MLX_SPEC_CACHE_DIR"  # default: ~/.cache/mlx_spec
+
+_profiles: Dict[tuple, List[float]] = {}  # (id(model), context) -> costs
+
+
+def verify_cost_profile(
+    model,
+    max_tokens: int = MAX_AUTO_DRAFT_TOKENS + 1,
+    repeats: int = 3,
+    context: int = PROFILE_CONTEXTS[0],
+):
+    """Seconds of a target forward over T = 1..max_tokens tokens after
+    ``context`` tokens; index 0 is T = 1.
+
+    Measured once per machine, MLX version, BLAS and model: kept for the
+    process and on disk (:func:`profile_cache_file`), so later runs skip it.
+    """
+    key = (id(model), context)
+    if key in _profiles and len(_profiles[key]) >= max_tokens:
+        return _profiles[key][:max_tokens]
+    disk_key = _profile_key(model, max_tokens, context)
+    costs = _read_profile(disk_key, max_tokens)
+    if costs is None:
+        costs = measure_verify_costs(model, max_tokens, repeats, context)
+        _write_profile(disk_key, costs)
+    _profiles[key] = costs
+    return costs
+
+
+def verify_cost_profiles(model) -> Tuple[List[float], List[float]]:
+    """The profile after each of ``PROFILE_CONTEXTS`` tokens (measured or cached)."""
+    short, long = (verify_cost_profile(model, context=c) for c in PROFILE_CONTEXTS)
+    return short, long
+
+
+def measure_verify_costs(
+    model, max_tokens: int, repeats: int = 3, context: int = PROFILE_CONTEXTS[0]
+) -> List[float]:
+    """Time target forwards over T = 1..max_tokens tokens on this machine.
+
+    On a scratch cache holding ``context`` random tokens (restored after every
+    timed forward), after a warm-up round; the minimum of ``repeats`` rounds
+    (robust to a busy machine), made non-decreasing in T.
+    """
+    vocab = model.model.embed_tokens.weight.shape[0] if hasattr(model, "model") else 2
+    cache = make_prompt_cache(model)
+    for start in range(0, context, 512):
+        n = min(512, context - start)
+        mx.eval(model(mx.random.randint(0, vocab, (1, n)), cache=cache))
+    saved = [c.state for c in cache]
+    best = [float("inf")] * max_tokens
+    for round_ in range(repeats + 1):
+        for T in range(1, max_tokens + 1):
+            tokens = mx.random.randint(0, vocab, (1, T))
+            mx.eval(tokens)
+            tic = time.perf_counter()
+            mx.eval(model(tokens, cache=cache))
+            if round_:  # round 0 warms up every shape
+                best[T - 1] = min(best[T - 1], time.perf_counter() - tic)
+            for c, state in zip(cache, saved):
+                c.state = state
+    costs = []
+    for t in best:
+        costs.append(max(t, costs[-1] if costs else 0.0))
+    return costs
+
+
+def profile_cache_file() -> Path:
+    root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "mlx_spec"
+    return Path(root) / "verify_costs.json"
+
+
+def _profile_key(model, max_tokens: int, context: int) -> str:
+    """What a profile depends on: the machine, its MLX and BLAS, the model."""
+    what = {
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "blas": os.environ.get("LD_PRELOAD", ""),
+        "model": model_fingerprint(model),
+        "tokens": max_tokens,
+    }
+    if context != PROFILE_CONTEXTS[0]:  # profiles stored before keep their key
+        what["context"] = context
+    if mx.metal.is_available():
+        what["gpu"] = str(mx.device_info().get("device_name", ""))
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def _read_profile(key: str, max_tokens: int) -> Optional[List[float]]:
+    """The stored profile, or None (missing, unreadable or malformed file)."""
+    try:
+        costs = json.loads(profile_cache_file().read_text())[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    valid = (
+        isinstance(costs, list)
+        and len(costs) == max_tokens
+        and all(isinstance(c, float) and 0 < c < 60 for c in costs)
+    )
+    return costs if valid else None
+
+
+def _write_profile(key: str, costs: List[float]):
+    """Store the profile (atomic replace); a cache that cannot be written is
+    only a cost: the profile is measured again next time."""
+    path = profile_cache_file()
+    try:
+        profiles = json.loads(path.read_text())
+        if not isinstance(profiles, dict):
+            profiles = {}
+    except (OSError, ValueError):
+        profiles = {}
+    profiles[key] = costs
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, suffix=".tmp", delete=False
+        ) as f:
+            json.dump(profiles, f)
+        os.replace(f.name, path)
+    except OSError:
+        if "f" in locals():
+            Path(f.name).unlink(missing_ok=True)
