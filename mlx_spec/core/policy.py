@@ -113,6 +113,7 @@ class DraftLengthPolicy:
         # of r = extra + fixed [k > 0] + slope k, r being a pass's seconds
         # beyond its verify forward (see fitted_costs).
         self._fit_A, self._fit_b = np.zeros((3, 3)), np.zeros(3)
+        self._fitted = None  # (extra, fixed, per draft) until a pass changes them
         self._plain_weight = 0.0  # decayed count of timed passes without drafts
         self._warm: set = set()  # draft counts past their first (warm-up) pass
         self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
@@ -159,13 +160,16 @@ class DraftLengthPolicy:
         more is mostly taken as fixed and a longer draft gets tried (and
         timed). Before any pass: (0, 0, the host-timed cost).
         """
+        if self._fitted is not None:
+            return self._fitted
         lam_f, lam_s, b0 = _FIXED_PRIOR_WEIGHT, _SLOPE_PRIOR_WEIGHT, self.draft_cost
         if self._fit_A[0, 0] == 0:
-            return 0.0, 0.0, b0
+            return 0.0, 0.0, b0  # not kept: the host-timed cost may change
         A = self._fit_A + np.diag([0.0, lam_f, lam_s])
         b = self._fit_b + np.array([0.0, 0.0, lam_s * b0])
         extra, fixed, slope = np.linalg.solve(A, b)
-        return float(extra), max(float(fixed), 0.0), max(float(slope), 0.0)
+        self._fitted = float(extra), max(float(fixed), 0.0), max(float(slope), 0.0)
+        return self._fitted
 
     @property
     def extra(self) -> Optional[float]:
@@ -224,6 +228,7 @@ class DraftLengthPolicy:
         if draft_seconds is not None:
             per_token = draft_seconds / n_drafted
             self.draft_cost = 0.8 * self.draft_cost + 0.2 * per_token
+            self._fitted = None
 
     def observe_pass(
         self, n_drafted: int, seconds: float, context: int = PROFILE_CONTEXTS[0]
@@ -241,6 +246,7 @@ class DraftLengthPolicy:
         x = np.array([1.0, float(k > 0), float(k)])
         self._fit_A = _COST_DECAY * self._fit_A + np.outer(x, x)
         self._fit_b = _COST_DECAY * self._fit_b + x * r
+        self._fitted = None
 
     def _space_probes(self, seconds: float, context: int):
         """A probe (not one of a streak) takes ``seconds``: wait long enough
