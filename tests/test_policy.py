@@ -391,6 +391,7 @@ def test_passes_are_timed_only_over_their_own_forward(models, monkeypatch):
         max_tokens=60,
     )
     assert [t for t, _, _ in steps] == sequence[len(prompt) :]
-    assert {n for n, _ in observed} == {0, 1}  # plain passes and probes
+    drafted = {n for n, _ in observed}  # plain passes and some that drafted
+    assert 0 in drafted and len(drafted) >= 2
     assert len(observed) >= 30
     assert all(ran == 1 for _, ran in observed), observed

@@ -34,9 +34,8 @@ acceptance that improves is noticed.
 
 from typing import List, Sequence, Tuple
 
-import numpy as np
-
 from ..models.pipeline import from_rank0
+from .least_squares import decayed, outer, solve_linear
 from .policy import PROBE_EVERY, reprobe
 
 DECAY = 0.95  # weight of older passes in the cost fit
@@ -54,8 +53,8 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     return tokens
 
 
-def _features(rows: int, T: int, head_steps: int, catch_up: int) -> np.ndarray:
-    return np.array([1.0, rows * T, float(head_steps), float(catch_up)])
+def _features(rows: int, T: int, head_steps: int, catch_up: int) -> List[float]:
+    return [1.0, float(rows * T), float(head_steps), float(catch_up)]
 
 
 class PassLength:
@@ -67,24 +66,27 @@ class PassLength:
         self.group = group
         n = len(verify_costs)
         beta = max((verify_costs[-1] - verify_costs[0]) / max(n - 1, 1), 1e-6)
-        prior = np.array([max(verify_costs[0] - beta, 0.0), beta, 0.0, 0.0])
+        prior = [max(verify_costs[0] - beta, 0.0), beta, 0.0, 0.0]
         # Normal equations of the decayed least squares. The prior, per pass
         # of weight: the profile's line spread over T = 1..n, plus a pull of
         # gamma and delta towards 0 (while every pass drafts, gamma and alpha
         # are told apart only by it and the prior).
-        A0, b0 = np.diag([0.0, 0.0, 1.0, 1.0]), np.zeros(4)
+        A0 = [[float(i == j >= 2) for j in range(4)] for i in range(4)]
+        b0 = [0.0] * 4
         for T in range(1, n + 1):
             f = _features(1, T, 0, 0)
-            A0 += np.outer(f, f) / n
-            b0 += f * (f @ prior) / n
-        self._A, self._b = PRIOR_WEIGHT * A0, PRIOR_WEIGHT * b0
+            y = sum(a * b for a, b in zip(f, prior))
+            A0 = [[a + c for a, c in zip(r, o)] for r, o in zip(A0, outer(f, 1 / n))]
+            b0 = [b + x * y / n for b, x in zip(b0, f)]
+        self._A = [[PRIOR_WEIGHT * a for a in r] for r in A0]
+        self._b = [PRIOR_WEIGHT * b for b in b0]
         # What each pass adds so that the prior never weighs less than
         # PRIOR_FLOOR passes (gamma's pull: GAMMA_PULL): passes of one shape
         # alone let noise fit a negative alpha and a steep beta, with which
         # no draft ever looked affordable.
-        floor = PRIOR_FLOOR * A0
-        floor[2, 2] = floor[3, 3] = GAMMA_PULL
-        self._floor = ((1 - DECAY) * floor, (1 - DECAY) * PRIOR_FLOOR * b0)
+        floor = [[(1 - DECAY) * PRIOR_FLOOR * a for a in r] for r in A0]
+        floor[2][2] = floor[3][3] = (1 - DECAY) * GAMMA_PULL
+        self._floor = (floor, [(1 - DECAY) * PRIOR_FLOOR * b for b in b0])
         self._theta = None  # the fitted (alpha, beta, gamma, delta)
         self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
 
@@ -93,9 +95,9 @@ class PassLength:
         ``head_steps`` steps of the MTP head and ``catch_up`` positions of
         its catch-up."""
         if self._theta is None:
-            self._theta = np.linalg.solve(self._A, self._b)
+            self._theta = solve_linear(self._A, self._b)
         f = _features(rows, T, head_steps, catch_up)
-        return max(float(f @ self._theta), 1e-9)
+        return max(sum(a * b for a, b in zip(f, self._theta)), 1e-9)
 
     def observe(
         self, rows: int, T: int, seconds: float, head_steps: int = 0, catch_up: int = 0
@@ -106,8 +108,8 @@ class PassLength:
             return  # a clock anomaly
         f = _features(rows, T, head_steps, catch_up)
         self._theta = None  # refitted when next needed
-        self._A = DECAY * self._A + np.outer(f, f) + self._floor[0]
-        self._b = DECAY * self._b + f * seconds + self._floor[1]
+        self._A = decayed(self._A, outer(f), DECAY, self._floor[0])
+        self._b = decayed(self._b, [x * seconds for x in f], DECAY, self._floor[1])
 
     def choose(
         self,
@@ -127,10 +129,15 @@ class PassLength:
         limit = max((cap for _, cap in auto), default=0)
         head_limit = max((cap for _, cap in head), default=0)
 
+        # tokens[k]: what the rows of a group yield together with k drafts each
+        copies, heads = (
+            [sum(expected_tokens(a, min(k, c)) for a, c in group) for k in range(n)]
+            for group, n in ((auto, limit + 1), (head, head_limit + 1))
+        )
+
         def speed(ks: Tuple[int, int]) -> float:
             k, kh = ks
-            tokens = others + sum(expected_tokens(a, min(k, c)) for a, c in auto)
-            tokens += sum(expected_tokens(a, min(kh, c)) for a, c in head)
+            tokens = others + copies[k] + heads[kh]
             T = 1 + max(k, kh, fixed)
             return tokens / self.cost(rows, T, max(kh, head_fixed))
 

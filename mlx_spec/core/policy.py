@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
 from ..models.pipeline import from_rank0
+from .least_squares import decayed, outer, solve_linear
 from .verify_profile import PROFILE_CONTEXTS, verify_cost_profiles
 
 # Prior acceptance per position before any evidence, and its weight (in passes).
@@ -70,23 +71,6 @@ def make_policy(model, verify_costs: Optional[List[float]] = None, group=None):
     )
 
 
-def _solve(A: List[List[float]], b: List[float]) -> List[float]:
-    """x with A x = b (Gaussian elimination; A square, non-singular,
-    overwritten)."""
-    n = len(b)
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(A[r][col]))
-        A[col], A[pivot], b[col], b[pivot] = A[pivot], A[col], b[pivot], b[col]
-        for r in range(col + 1, n):
-            f = A[r][col] / A[col][col]
-            A[r] = [a - f * p for a, p in zip(A[r], A[col])]
-            b[r] -= f * b[col]
-    x = [0.0] * n
-    for r in reversed(range(n)):
-        x[r] = (b[r] - sum(A[r][c] * x[c] for c in range(r + 1, n))) / A[r][r]
-    return x
-
-
 def reprobe(policy, best: int, limit: int) -> int:
     """``best``, except one draft after ``policy.probe_every`` passes at
     k = 0 (acceptance may have changed); counts ``policy.passes_at_zero`` and
@@ -127,7 +111,6 @@ class DraftLengthPolicy:
         # Normal equations of the decayed least squares over observed passes
         # of r = extra + fixed [k > 0] + slope k, r being a pass's seconds
         # beyond its verify forward (see fitted_costs).
-        # (plain Python: numpy's BLAS threads, woken per pass, cost ~0.2 ms)
         self._fit_A, self._fit_b = [[0.0] * 3 for _ in range(3)], [0.0] * 3
         self._fitted = None  # (extra, fixed, per draft) until a pass changes them
         self._plain_weight = 0.0  # decayed count of timed passes without drafts
@@ -181,11 +164,11 @@ class DraftLengthPolicy:
         lam_f, lam_s, b0 = _FIXED_PRIOR_WEIGHT, _SLOPE_PRIOR_WEIGHT, self.draft_cost
         if self._fit_A[0][0] == 0:
             return 0.0, 0.0, b0  # not kept: the host-timed cost may change
-        A = [row[:] for row in self._fit_A]
+        A = [row[:] for row in self._fit_A]  # plus the priors' pulls
         A[1][1] += lam_f
         A[2][2] += lam_s
         b = self._fit_b[:2] + [self._fit_b[2] + lam_s * b0]
-        extra, fixed, slope = _solve(A, b)
+        extra, fixed, slope = solve_linear(A, b)
         self._fitted = float(extra), max(float(fixed), 0.0), max(float(slope), 0.0)
         return self._fitted
 
@@ -261,11 +244,9 @@ class DraftLengthPolicy:
             self._space_probes(seconds, context)
         self._plain_weight = _COST_DECAY * self._plain_weight + (n_drafted == 0)
         k, r = n_drafted, seconds - self.verify_cost(n_drafted, context)
-        x = (1.0, float(k > 0), float(k))
-        for i in range(3):
-            for j in range(3):
-                self._fit_A[i][j] = _COST_DECAY * self._fit_A[i][j] + x[i] * x[j]
-            self._fit_b[i] = _COST_DECAY * self._fit_b[i] + x[i] * r
+        x = [1.0, float(k > 0), float(k)]
+        self._fit_A = decayed(self._fit_A, outer(x), _COST_DECAY)
+        self._fit_b = decayed(self._fit_b, [a * r for a in x], _COST_DECAY)
         self._fitted = None
 
     def _space_probes(self, seconds: float, context: int):
