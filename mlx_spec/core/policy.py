@@ -6,13 +6,13 @@ draft ``i`` is accepted given drafts ``1..i-1`` were. Its cost is modelled as
 the verify forward over ``1+k`` tokens at the current context length (the
 profile, measured once at two context lengths and interpolated: attention
 grows linearly with context), plus what the passes of this generation really
-took beyond their verify forward, learned online from every pass: a
-constant (host work, a busier machine), a fixed cost of a pass that drafts at
-all (the drafter catching up on the last pass's tokens) and a cost per draft
-(the drafter's own forwards, which run on the device with the verify pass and
-are invisible to a host timer). The policy picks the ``k`` that maximises tokens per second, which
-is ``k = 0`` (plain decoding) whenever speculation does not pay; it then
-re-probes with one draft now and then, so a workload that becomes
+took beyond their verify forward, learned online from every pass: a constant
+(host work, a busier machine), a fixed cost of a pass that drafts at all (the
+drafter catching up on the last pass's tokens) and a cost per draft (the
+drafter's own forwards, which run on the device with the verify pass and are
+invisible to a host timer). The policy picks the ``k`` that maximises tokens
+per second, which is ``k = 0`` (plain decoding) whenever speculation does not
+pay; it then re-probes with one draft now and then, so a workload that becomes
 predictable is noticed, spaced by what a probe costs.
 """
 
@@ -169,7 +169,7 @@ class DraftLengthPolicy:
         A[2][2] += lam_s
         b = self._fit_b[:2] + [self._fit_b[2] + lam_s * b0]
         extra, fixed, slope = solve_linear(A, b)
-        self._fitted = float(extra), max(float(fixed), 0.0), max(float(slope), 0.0)
+        self._fitted = extra, max(fixed, 0.0), max(slope, 0.0)
         return self._fitted
 
     @property
