@@ -5,7 +5,7 @@ for 3-4 features numpy's per-call overhead and its BLAS threads, woken on
 each call, cost more host time (~0.2-0.7 ms a pass) than the arithmetic.
 """
 
-from typing import List
+from typing import List, Optional
 
 Vector = List[float]
 Matrix = List[Vector]
@@ -16,16 +16,12 @@ def outer(x: Vector, scale: float = 1.0) -> Matrix:
     return [[scale * a * b for b in x] for a in x]
 
 
-def decayed(old: list, new: list, decay: float, floor: list = None) -> list:
+def decayed(old: list, new: list, decay: float, floor: Optional[list] = None) -> list:
     """``decay * old + new (+ floor)``, elementwise, for vectors or matrices."""
-    if floor is None:
-        floor = (
-            [[0.0] * len(new[0]) for _ in new]
-            if isinstance(new[0], list)
-            else [0.0] * len(new)
-        )
     if isinstance(old[0], list):
+        floor = floor or [None] * len(old)
         return [decayed(o, n, decay, f) for o, n, f in zip(old, new, floor)]
+    floor = floor or [0.0] * len(old)
     return [decay * o + n + f for o, n, f in zip(old, new, floor)]
 
 
