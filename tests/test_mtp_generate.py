@@ -93,6 +93,18 @@ def test_lossless_greedy_all_draft_lengths(models, family, draft):
     assert accepted > 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lossless_greedy_auto(models, family):
+    """``auto`` (draft lengths chosen per pass from acceptance and what
+    passes took, probes included) changes which passes run, never a token."""
+    model, tok = models[family]
+    for prompt in (PROMPT, COPY_PROMPT):
+        stats = SpecStats()
+        out = spec(model, tok, prompt, "mtp+ngram", "auto", stats=stats)
+        assert out == reference(model, tok, prompt), prompt
+        assert stats.verify_passes > 0
+
+
 def test_acceptance_statistics_decay_is_reported(models):
     model, tok = models["qwen3_5_moe"]
     stats = SpecStats()

@@ -191,7 +191,8 @@ class DraftLengthPolicy:
         best = max(range(limit + 1), key=lambda k: self.expected_speed(k, context))
         self.best = best
         if best == 0 and self.last_choice and self.probe_every > 1:
-            # Drafting stopped: the first probe waits by what a draft costs.
+            # Drafting stopped (or a probe ran): the next probe waits by what
+            # a draft costs, as fitted (a probe's own time: observe_pass).
             self._space_probes(self.pass_cost(1, context), context)
         best = reprobe(self, best, limit)
         if best and self._fit_A[0][0] and self._plain_weight < _PLAIN_PROBE_WEIGHT:
