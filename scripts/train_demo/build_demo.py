@@ -66,7 +66,7 @@ def run(
 
             results["target"] = train_target(cfg, work, stop_after=stop_after)[1]
         elif stage == "mtp":
-            from demo_train import train_mtp
+            from demo_train_mtp import train_mtp
 
             results["mtp"] = train_mtp(cfg, work, stop_after=stop_after)[1]
         elif stage == "export":

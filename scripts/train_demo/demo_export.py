@@ -112,7 +112,8 @@ def _compare(cfg: DemoConfig, work: Path, out: Path, model, head) -> dict:
 
 
 def export(cfg: DemoConfig, work: Path, out: Path) -> dict:
-    from demo_train import build_head, load_target
+    from demo_train import load_target
+    from demo_train_mtp import build_head
 
     work, out = Path(work), Path(out)
     corpus = json.loads((work / "corpus.json").read_text())
