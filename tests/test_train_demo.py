@@ -231,3 +231,42 @@ def test_stopped_and_resumed_training_equals_one_run(tiny_build, tmp_path):
         a, b = mx.load(str(again / name)), mx.load(str(work / name))
         assert a.keys() == b.keys()
         assert all(mx.array_equal(a[k], b[k]) for k in a), name
+
+
+def test_a_second_cycle_keeps_the_first_cycles_rates_and_warms_again():
+    from demo_train import lr_schedule
+
+    peak, warmup = 2e-3, 5
+    one = lr_schedule(peak, warmup, (40,), 0.2)
+    two = lr_schedule(peak, warmup, (40, 20), 0.2)
+    rate = lambda s, i: s(mx.array(i)).item()  # noqa: E731
+    assert all(rate(one, i) == pytest.approx(rate(two, i)) for i in range(41))
+    assert rate(two, 40) == pytest.approx(peak * 0.1)  # where the decay ended
+    assert rate(two, 45) == pytest.approx(peak)  # warmed up again
+    assert rate(two, 60) == pytest.approx(peak * 0.1)  # decayed again
+    assert rate(one, 45) == pytest.approx(peak * 0.1)  # control: one cycle stays low
+
+
+def test_a_finished_run_extended_by_a_second_cycle_equals_one_run(tiny_build, tmp_path):
+    """Resuming a finished target with ``target_extra_steps`` continues from its
+    last step and ends with the weights of a run that trained both cycles at once."""
+    import shutil
+
+    import build_demo as build
+
+    work, _, _ = tiny_build
+    extended = tmp_path / "extended"
+    shutil.copytree(work, extended)
+    build.run("tiny", extended, tmp_path / "o1", ("target",), target_extra_steps=2)
+    log = [json.loads(line) for line in open(extended / "train_target.log.jsonl")]
+    runs = [r for r in log if "from_step" in r]  # the log is appended to
+    assert [(r["from_step"], r["steps"]) for r in runs] == [(0, 3), (3, 5)]
+    straight = tmp_path / "straight"
+    build.run(
+        "tiny", straight, tmp_path / "o2", ("data", "target"), target_extra_steps=2
+    )
+    a = mx.load(str(extended / "target.safetensors"))
+    b = mx.load(str(straight / "target.safetensors"))
+    assert all(mx.array_equal(a[k], b[k]) for k in a)
+    c = mx.load(str(work / "target.safetensors"))  # control: the 3-step target
+    assert not all(mx.array_equal(a[k], c[k]) for k in a)

@@ -48,6 +48,8 @@ class DemoConfig:
     seq_len: int = 512
     batch_size: int = 4
     target_steps: int = 720
+    # a second warmup-stable-decay cycle after the first one's decay (0: none)
+    target_extra_steps: int = 0
     target_lr: float = 2e-3
     warmup_steps: int = 50
     decay: float = 0.2  # share of the steps in the final linear decay
@@ -58,6 +60,7 @@ class DemoConfig:
     ckpt_every: int = 25  # steps between resumable checkpoints
     # MTP training (target frozen)
     mtp_steps: int = 1000
+    mtp_extra_steps: int = 0  # as target_extra_steps
     mtp_lr: float = 2e-3
     mtp_batch_size: int = 4
     mtp_distill: float = 0.7  # weight of the soft (target-distribution) loss

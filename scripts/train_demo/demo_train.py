@@ -54,23 +54,31 @@ def num_params(module: nn.Module) -> int:
     return sum(v.size for _, v in tree_flatten(module.parameters()))
 
 
-def lr_schedule(peak: float, warmup: int, total: int, decay: float) -> Callable:
-    """Warmup, then constant, then a linear decay to peak/10 over the last ``decay`` of ``total``.
+def lr_schedule(peak: float, warmup: int, cycles, decay: float) -> Callable:
+    """Warmup-stable-decay cycles, one after another, of ``cycles`` steps each.
 
-    Warmup-stable-decay: a run can be resumed with a larger ``total`` as long as
-    it has not entered the decay yet, so training length is open-ended.
+    A cycle warms up to ``peak``, holds it, then decays linearly to peak/10 over
+    its last ``decay`` share. The first warms up from peak/100, a later one from
+    where the previous decay ended. A run can be resumed with a longer last
+    cycle before its decay starts, or with a new cycle after it ends, so
+    training length is open-ended; the steps already taken keep their rates.
     """
     warmup = max(warmup, 1)
-    decay_steps = max(int(total * decay), 1)
-    stable = max(total - decay_steps - warmup, 1)
-    return optim.join_schedules(
-        [
-            optim.linear_schedule(peak * 0.01, peak, warmup),
-            optim.linear_schedule(peak, peak, stable),
-            optim.linear_schedule(peak, peak * 0.1, decay_steps),
-        ],
-        [warmup, warmup + stable],
-    )
+    schedules, boundaries, at = [], [], 0
+    for i, total in enumerate(c for c in cycles if c > 0):
+        decay_steps = max(int(total * decay), 1)
+        stable = max(total - decay_steps - warmup, 1)
+        start = peak * (0.01 if i == 0 else 0.1)
+        for schedule, length in (
+            (optim.linear_schedule(start, peak, warmup), warmup),
+            (optim.linear_schedule(peak, peak, stable), stable),
+            (optim.linear_schedule(peak, peak * 0.1, decay_steps), decay_steps),
+        ):
+            if schedules:
+                boundaries.append(at)
+            schedules.append(schedule)
+            at += length
+    return optim.join_schedules(schedules, boundaries)
 
 
 class Batches:
@@ -126,10 +134,13 @@ def log_record(log_file: Optional[Path], record: dict) -> None:
 
 
 # Fields a resumed run may change: budgets (a warmup-stable-decay run can be
-# lengthened before its decay starts), logging, and what only export reads.
+# lengthened before its decay starts, or given a second cycle after it ends),
+# logging, and what only export reads.
 _RESUMABLE_CHANGES = (
     "target_steps",
+    "target_extra_steps",
     "mtp_steps",
+    "mtp_extra_steps",
     "ckpt_every",
     "log_every",
     "eval_windows",
@@ -266,13 +277,14 @@ def train_target(cfg: DemoConfig, work: Path, steps=None, stop_after=None):
     corpus = json.loads((work / "corpus.json").read_text())
     train = np.load(work / "train_tokens.npy")
     held = np.load(work / "eval_tokens.npy")
-    steps = cfg.target_steps if steps is None else steps
+    cycles = (cfg.target_steps, cfg.target_extra_steps) if steps is None else (steps,)
+    steps = sum(cycles)
     mx.random.seed(cfg.seed)
     model = build_target(cfg, corpus["eos_token_id"])
     init_weights(model, cfg.num_hidden_layers, cfg.seed)
     model.train()
     opt = optim.AdamW(
-        lr_schedule(cfg.target_lr, cfg.warmup_steps, steps, cfg.decay),
+        lr_schedule(cfg.target_lr, cfg.warmup_steps, cycles, cfg.decay),
         betas=[0.9, 0.95],
         weight_decay=cfg.weight_decay,
     )

@@ -75,7 +75,8 @@ def train_mtp(cfg: DemoConfig, work: Path, steps=None, stop_after=None):
     work = Path(work)
     train = np.load(work / "train_tokens.npy")
     held = np.load(work / "eval_tokens.npy")
-    steps = cfg.mtp_steps if steps is None else steps
+    cycles = (cfg.mtp_steps, cfg.mtp_extra_steps) if steps is None else (steps,)
+    steps = sum(cycles)
     model = load_target(cfg, work)
     model.freeze()
     mx.random.seed(cfg.seed + 2)
@@ -83,7 +84,7 @@ def train_mtp(cfg: DemoConfig, work: Path, steps=None, stop_after=None):
     init_weights(head, cfg.num_hidden_layers, cfg.seed + 2)
     head.train()
     opt = optim.AdamW(
-        lr_schedule(cfg.mtp_lr, cfg.warmup_steps, steps, cfg.decay),
+        lr_schedule(cfg.mtp_lr, cfg.warmup_steps, cycles, cfg.decay),
         betas=[0.9, 0.95],
         weight_decay=cfg.weight_decay,
     )
