@@ -15,6 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 import mlx_spec
 from mlx_spec.drafters.mtp import MTPDrafter
+from mlx_spec.models.mtp import MTPKVCache
 from mlx_spec.testing.checkpoints import FAMILIES, write_tiny_checkpoint
 
 PROMPT = "def fibonacci(n: int) -> int:\n    a, b = 0, 1"
@@ -36,8 +37,9 @@ def sigmoid(x):
 class NumpyMTP:
     """The head step of docs/mtp_head.md, one call per block of rows, with its own KV cache."""
 
-    def __init__(self, W, cfg):
+    def __init__(self, W, cfg, stored=None):
         self.W = {k: v.astype(np.float64) for k, v in W.items()}
+        self.stored = stored  # the cache's stored dtype (None: exact)
         self.c = cfg.get("text_config", cfg)
         base = "model." if "model.embed_tokens.weight" in W else "model.language_model."
         self.embed = self.W[base + "embed_tokens.weight"]
@@ -138,9 +140,10 @@ class NumpyMTP:
         start = len(self.keys)
         pos = np.arange(start, start + L, dtype=np.float64)
         q, k = self.rope(q, pos), self.rope(k, pos)
-        # The head's KV cache stores float16.
-        self.keys += list(k.astype(np.float16).astype(np.float64))
-        self.values += list(v.astype(np.float16).astype(np.float64))
+        if self.stored is not None:  # rounded as the head's cache stores them
+            k, v = (a.astype(self.stored).astype(np.float64) for a in (k, v))
+        self.keys += list(k)
+        self.values += list(v)
         K, V = np.stack(self.keys), np.stack(self.values)  # [T, kv, hd]
         o = np.zeros((L, nq, hd))
         for i in range(L):
@@ -173,13 +176,17 @@ def _check(path):
     hidden = model.model(mx.array(tokens[:-1])[None])[0]  # [N-1, H]
     hidden_np = np.array(hidden, dtype=np.float64)
 
-    # Prefill: every row of the head against the reference.
-    ref = NumpyMTP(W, cfg)
-    ref_logits, ref_hm = ref(tokens[1:], hidden_np)
+    # Prefill: every row of the head against the reference, with the cache
+    # stored in float16 (where the attention kernel reads it) and as computed.
     head = model.mtp_head
-    logits, hm = head(mx.array(tokens[1:])[None], hidden[None], head.make_cache())
-    assert_close(logits[0], ref_logits, "prefill logits")
-    assert_close(hm[0], ref_hm, "prefill hidden")
+    # The drafter below runs with the last (the CPU's: no Metal here).
+    for stored, rounded in ((mx.float16, np.float16), (None, None)):
+        ref = NumpyMTP(W, cfg, rounded)
+        ref_logits, ref_hm = ref(tokens[1:], hidden_np)
+        cache = [MTPKVCache(stored)]
+        logits, hm = head(mx.array(tokens[1:])[None], hidden[None], cache)
+        assert_close(logits[0], ref_logits, f"prefill logits ({stored})")
+        assert_close(hm[0], ref_hm, f"prefill hidden ({stored})")
 
     # Drafting: d_1 from the last prefill row, then 3 chained steps.
     drafter = MTPDrafter(head)
