@@ -5,9 +5,11 @@ GDN layers run their verify forward with per-token states, as in a real
 pass) and wraps each part of the model in a timer that evaluates the part's
 output before reading the clock. The forced evaluations add a little to every
 part, so the parts sum to slightly more than an unwrapped pass (printed too).
+With ``--head``, also one draft step of the model's MTP head over a cache of
+``--context`` rows, stored in float16 and in the head's compute dtype.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-    python scripts/profile_verify.py [--model DIR] [--context 256] [--tokens 1 4 9]
+    python scripts/profile_verify.py [--model DIR] [--context 256] [--tokens 1 4 9] [--head]
 """
 
 import argparse
@@ -20,6 +22,7 @@ import mlx.nn as nn
 import mlx_spec
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.demo import default_model_path
+from mlx_spec.models.mtp import MTPKVCache
 
 
 class Timed(nn.Module):
@@ -65,16 +68,44 @@ def pass_seconds(decoder, T, repeats):
     return best
 
 
+def head_step_seconds(head, context, stored, repeats):
+    """Best time of one draft step of ``head`` over ``context`` cached rows
+    kept in ``stored`` (None: the compute dtype)."""
+    cache = [MTPKVCache(stored)]
+    ids = mx.zeros((1, context), mx.uint32)
+    mx.eval(
+        head.head_hidden(ids, mx.random.normal((1, context, head.hidden_size)), cache)
+    )
+    token, hidden = mx.zeros((1, 1), mx.uint32), mx.random.normal(
+        (1, 1, head.hidden_size)
+    )
+    best = float("inf")
+    for _ in range(repeats + 2):  # two warm-up steps
+        tic = time.perf_counter()
+        mx.eval(head(token, hidden, cache)[0])
+        best = min(best, time.perf_counter() - tic)
+        cache[0].trim(1)
+    return best
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(default_model_path()))
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 9])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--head", action="store_true", help="also time an MTP draft step")
     a = p.parse_args()
     model, _ = mlx_spec.load(a.model)
+    if a.head:
+        for stored in (mx.float16, None):
+            ms = 1e3 * head_step_seconds(model.mtp_head, a.context, stored, a.repeats)
+            name = "float16" if stored else "compute dtype"
+            print(
+                f"MTP head draft step over {a.context} rows, cache {name}: {ms:.2f} ms"
+            )
     decoder = SpeculativeDecoder(model, None, max_draft=max(a.tokens))
-    decoder.feed(list(range(1, a.context + 1)))
+    decoder.feed([1 + i % 1000 for i in range(a.context)])  # ids in any vocabulary
     plain = {T: pass_seconds(decoder, T, a.repeats) for T in a.tokens}
     totals = defaultdict(float)
     instrument(model, totals)
