@@ -96,7 +96,11 @@ def main():
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--head", action="store_true", help="also time an MTP draft step")
     a = p.parse_args()
+    if a.context < 1:
+        p.error(f"--context must be at least 1, got {a.context}")
     model, _ = mlx_spec.load(a.model)
+    if a.head and getattr(model, "mtp_head", None) is None:
+        p.error(f"--head: the model at {a.model} has no MTP head")
     if a.head:
         for stored in (mx.float16, None):
             ms = 1e3 * head_step_seconds(model.mtp_head, a.context, stored, a.repeats)

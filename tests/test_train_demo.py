@@ -270,3 +270,13 @@ def test_a_finished_run_extended_by_a_second_cycle_equals_one_run(tiny_build, tm
     assert all(mx.array_equal(a[k], b[k]) for k in a)
     c = mx.load(str(work / "target.safetensors"))  # control: the 3-step target
     assert not all(mx.array_equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("target_extra_steps", -5), ("mtp_steps", 0), ("target_steps", 2.5)],
+)
+def test_a_bad_training_budget_is_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        get_config("tiny", **{field: value})
+    assert get_config("tiny", **{field: 3}).__dict__[field] == 3  # control

@@ -150,4 +150,8 @@ def get_config(preset: str = "demo", **overrides) -> DemoConfig:
     unknown = sorted(set(overrides) - set(known))
     if unknown:
         raise ValueError(f"unknown config fields {unknown}")
+    for name, value in overrides.items():
+        least = 0 if name.endswith("extra_steps") else 1
+        if name.endswith("_steps") and not (type(value) is int and value >= least):
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     return replace(cfg, **overrides)

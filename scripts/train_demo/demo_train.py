@@ -15,7 +15,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -54,7 +54,9 @@ def num_params(module: nn.Module) -> int:
     return sum(v.size for _, v in tree_flatten(module.parameters()))
 
 
-def lr_schedule(peak: float, warmup: int, cycles, decay: float) -> Callable:
+def lr_schedule(
+    peak: float, warmup: int, cycles: Sequence[int], decay: float
+) -> Callable:
     """Warmup-stable-decay cycles, one after another, of ``cycles`` steps each.
 
     A cycle warms up to ``peak``, holds it, then decays linearly to peak/10 over
@@ -267,7 +269,7 @@ def train_loop(
     return meta["elapsed_s"] if last == steps else None
 
 
-def train_target(cfg: DemoConfig, work: Path, steps=None, stop_after=None):
+def train_target(cfg: DemoConfig, work: Path, stop_after=None):
     """Train the target from the token streams in ``work``; saves ``target.safetensors``.
 
     Resumes from the stage's checkpoint when there is one; ``stop_after`` ends
@@ -277,7 +279,7 @@ def train_target(cfg: DemoConfig, work: Path, steps=None, stop_after=None):
     corpus = json.loads((work / "corpus.json").read_text())
     train = np.load(work / "train_tokens.npy")
     held = np.load(work / "eval_tokens.npy")
-    cycles = (cfg.target_steps, cfg.target_extra_steps) if steps is None else (steps,)
+    cycles = (cfg.target_steps, cfg.target_extra_steps)
     steps = sum(cycles)
     mx.random.seed(cfg.seed)
     model = build_target(cfg, corpus["eos_token_id"])

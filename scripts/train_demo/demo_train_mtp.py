@@ -67,7 +67,7 @@ def heldout_mtp(head, model, windows) -> dict:
     }
 
 
-def train_mtp(cfg: DemoConfig, work: Path, steps=None, stop_after=None):
+def train_mtp(cfg: DemoConfig, work: Path, stop_after=None):
     """Train the MTP head on the frozen target; saves ``mtp_head.safetensors``.
 
     Resumable and stoppable as :func:`train_target`.
@@ -75,7 +75,7 @@ def train_mtp(cfg: DemoConfig, work: Path, steps=None, stop_after=None):
     work = Path(work)
     train = np.load(work / "train_tokens.npy")
     held = np.load(work / "eval_tokens.npy")
-    cycles = (cfg.mtp_steps, cfg.mtp_extra_steps) if steps is None else (steps,)
+    cycles = (cfg.mtp_steps, cfg.mtp_extra_steps)
     steps = sum(cycles)
     model = load_target(cfg, work)
     model.freeze()
