@@ -247,9 +247,10 @@ def test_a_second_cycle_keeps_the_first_cycles_rates_and_warms_again():
     assert rate(one, 45) == pytest.approx(peak * 0.1)  # control: one cycle stays low
 
 
-def test_a_finished_run_extended_by_a_second_cycle_equals_one_run(tiny_build, tmp_path):
+def test_a_finished_run_extended_by_more_cycles_equals_one_run(tiny_build, tmp_path):
     """Resuming a finished target with ``target_extra_steps`` continues from its
-    last step and ends with the weights of a run that trained both cycles at once."""
+    last step, twice, and ends with the weights of a run that trained the three
+    cycles at once."""
     import shutil
 
     import build_demo as build
@@ -257,13 +258,16 @@ def test_a_finished_run_extended_by_a_second_cycle_equals_one_run(tiny_build, tm
     work, _, _ = tiny_build
     extended = tmp_path / "extended"
     shutil.copytree(work, extended)
-    build.run("tiny", extended, tmp_path / "o1", ("target",), target_extra_steps=2)
+    for extra in (2, [2, 3]):
+        build.run(
+            "tiny", extended, tmp_path / "o1", ("target",), target_extra_steps=extra
+        )
     log = [json.loads(line) for line in open(extended / "train_target.log.jsonl")]
     runs = [r for r in log if "from_step" in r]  # the log is appended to
-    assert [(r["from_step"], r["steps"]) for r in runs] == [(0, 3), (3, 5)]
+    assert [(r["from_step"], r["steps"]) for r in runs] == [(0, 3), (3, 5), (5, 8)]
     straight = tmp_path / "straight"
     build.run(
-        "tiny", straight, tmp_path / "o2", ("data", "target"), target_extra_steps=2
+        "tiny", straight, tmp_path / "o2", ("data", "target"), target_extra_steps=[2, 3]
     )
     a = mx.load(str(extended / "target.safetensors"))
     b = mx.load(str(straight / "target.safetensors"))
@@ -274,9 +278,21 @@ def test_a_finished_run_extended_by_a_second_cycle_equals_one_run(tiny_build, tm
 
 @pytest.mark.parametrize(
     "field, value",
-    [("target_extra_steps", -5), ("mtp_steps", 0), ("target_steps", 2.5)],
+    [
+        ("target_extra_steps", -5),
+        ("mtp_extra_steps", [300, 0]),
+        ("mtp_steps", 0),
+        ("target_steps", 2.5),
+    ],
 )
 def test_a_bad_training_budget_is_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         get_config("tiny", **{field: value})
-    assert get_config("tiny", **{field: 3}).__dict__[field] == 3  # control
+    good = get_config("tiny", **{field: 3}).__dict__[field]  # control
+    assert good == ((3,) if field.endswith("extra_steps") else 3)
+
+
+def test_extra_cycles_are_a_list_and_an_int_is_one_cycle():
+    assert get_config("tiny", mtp_extra_steps=[300, 700]).mtp_extra_steps == (300, 700)
+    assert get_config("tiny", mtp_extra_steps=300).mtp_extra_steps == (300,)
+    assert get_config("tiny", mtp_extra_steps=0).mtp_extra_steps == ()

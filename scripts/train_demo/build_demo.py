@@ -9,9 +9,9 @@ tokenizer, token streams), ``target`` (train the qwen3_next model), ``mtp``
 checkpoint into ``--out``). Each stage reads what the previous ones wrote
 into ``--work``. Training stages checkpoint every ``ckpt_every`` steps and
 resume from there when run again (a killed run loses at most that much). A
-finished stage can be trained further with a second warmup-stable-decay
-cycle (``--set target_extra_steps=N``, ``mtp_extra_steps``): it resumes from
-the stage's last checkpoint. ``--preset tiny`` is the seconds-long version the
+finished stage can be trained further with more warmup-stable-decay cycles
+(``--set target_extra_steps=N`` or ``=[N1,N2]``, ``mtp_extra_steps``): it
+resumes from the stage's last checkpoint. ``--preset tiny`` is the seconds-long version the
 tests run.
 """
 

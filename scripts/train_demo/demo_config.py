@@ -6,7 +6,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 # The checkpoint layout (config.json of a raw qwen3_next release) is the project's.
 _ROOT = Path(__file__).resolve().parents[2]
@@ -48,8 +48,9 @@ class DemoConfig:
     seq_len: int = 512
     batch_size: int = 4
     target_steps: int = 720
-    # a second warmup-stable-decay cycle after the first one's decay (0: none)
-    target_extra_steps: int = 0
+    # further warmup-stable-decay cycles after the first one's decay, in steps
+    # each (an int is one cycle, 0 none); a resumed run may append cycles
+    target_extra_steps: Tuple[int, ...] = ()
     target_lr: float = 2e-3
     warmup_steps: int = 50
     decay: float = 0.2  # share of the steps in the final linear decay
@@ -60,7 +61,7 @@ class DemoConfig:
     ckpt_every: int = 25  # steps between resumable checkpoints
     # MTP training (target frozen)
     mtp_steps: int = 1000
-    mtp_extra_steps: int = 0  # as target_extra_steps
+    mtp_extra_steps: Tuple[int, ...] = ()  # as target_extra_steps
     mtp_lr: float = 2e-3
     mtp_batch_size: int = 4
     mtp_distill: float = 0.7  # weight of the soft (target-distribution) loss
@@ -151,7 +152,20 @@ def get_config(preset: str = "demo", **overrides) -> DemoConfig:
     if unknown:
         raise ValueError(f"unknown config fields {unknown}")
     for name, value in overrides.items():
-        least = 0 if name.endswith("extra_steps") else 1
-        if name.endswith("_steps") and not (type(value) is int and value >= least):
-            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if name.endswith("extra_steps"):
+            overrides[name] = value = _cycles(name, value)
+        elif name.endswith("_steps") and not (type(value) is int and value >= 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return replace(cfg, **overrides)
+
+
+def _cycles(name: str, value) -> Tuple[int, ...]:
+    """``extra_steps`` as a tuple of cycle lengths: an int is one cycle (0: none)."""
+    cycles = ([value] if value else []) if type(value) is int else value
+    if not isinstance(cycles, (list, tuple)) or not all(
+        type(c) is int and c >= 1 for c in cycles
+    ):
+        raise ValueError(
+            f"{name} must be an integer >= 0 or a list of integers >= 1, got {value!r}"
+        )
+    return tuple(cycles)

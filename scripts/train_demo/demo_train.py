@@ -279,7 +279,7 @@ def train_target(cfg: DemoConfig, work: Path, stop_after=None):
     corpus = json.loads((work / "corpus.json").read_text())
     train = np.load(work / "train_tokens.npy")
     held = np.load(work / "eval_tokens.npy")
-    cycles = (cfg.target_steps, cfg.target_extra_steps)
+    cycles = (cfg.target_steps, *cfg.target_extra_steps)
     steps = sum(cycles)
     mx.random.seed(cfg.seed)
     model = build_target(cfg, corpus["eos_token_id"])

@@ -75,7 +75,7 @@ def train_mtp(cfg: DemoConfig, work: Path, stop_after=None):
     work = Path(work)
     train = np.load(work / "train_tokens.npy")
     held = np.load(work / "eval_tokens.npy")
-    cycles = (cfg.mtp_steps, cfg.mtp_extra_steps)
+    cycles = (cfg.mtp_steps, *cfg.mtp_extra_steps)
     steps = sum(cycles)
     model = load_target(cfg, work)
     model.freeze()
