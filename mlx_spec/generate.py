@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from .core.decode import SpeculativeDecoder, speculative_generate_step
 from .core.policy import most_drafts
-from .core.verify_profile import verify_cost_profiles
+from .core.verify_profile import head_step_cost, verify_cost_profiles
 from .core.state import ROLLBACK_STRATEGIES
 from .core.stats import SpecStats
 from .drafters import DRAFTS, default_draft, make_drafter
@@ -178,7 +178,7 @@ def stream_generate(
             kwargs.pop(k, None)
         if num_draft_tokens == "auto":  # measured (once) apart from the prompt
             tic = time.perf_counter()
-            verify_cost_profiles(model)
+            verify_cost_profiles(model), head_step_cost(model)
             stats.profile_seconds = time.perf_counter() - tic
         tokens = _on_stream(
             stream,

@@ -98,3 +98,19 @@ def test_draft_source_names_who_drafts_next_without_running_the_head():
     d.score["mtp"] = 1.0
     assert d.draft_source(3, look=False) == "mtp" and d.mtp.looked == 0
     assert d.draft_source(3) == "ngram" and d.mtp.looked == 1  # it agrees
+
+
+def test_a_head_that_does_not_pay_is_not_asked_about_copies():
+    """While auto finds the head's drafts do not pay, a copy is taken
+    without running the head (its deferred rows, a host synchronisation);
+    without a copy the head still drafts when asked to."""
+    d = _drafter()
+    d.ngram.copy, d.mtp.d1 = [5, 6], 9  # a partial match the head disagrees with
+    d.set_source_paying("mtp", False)
+    assert d.draft_source(3) == "ngram" and d.draft(2) == [5, 6]
+    assert d.mtp.looked == 0 and d.mtp.drafts == 0
+    d.ngram.copy = []
+    assert d.draft_source(3) == "mtp" and d.draft(2) == [9, 9]
+    d.ngram.copy = [5, 6]
+    d.set_source_paying("mtp", True)  # control: the head is asked again
+    assert d.draft_source(3) == "mtp" and d.mtp.looked > 0

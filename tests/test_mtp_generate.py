@@ -252,3 +252,48 @@ def test_quantized_target_with_float_head(paths, bits):
     stats = SpecStats()
     assert spec(model, tok, PROMPT, "mtp", 3, stats=stats) == ref
     assert stats.accepted > 0
+
+
+def _judged_plain_run(model, ids, max_tokens):
+    """Decode without drafting, the head judging its first drafts; returns
+    what it judged and the rows it was given (reset's, then accept's)."""
+    drafter = MTPDrafter(model.mtp_head)
+    assert drafter.hindsight() == {}  # nothing yet; asking turns judging on
+    rows = []
+    reset, accept = drafter.reset, drafter.accept
+    drafter.reset = lambda t, h: rows.append((list(t[1:]), h)) or reset(t, h)
+    drafter.accept = lambda t, h: rows.append((list(t), h)) or accept(t, h)
+    run_loop(model, ids, drafter, 0, max_tokens=max_tokens)
+    return drafter, rows
+
+
+@pytest.mark.parametrize("noise", [0.0, 2.0])
+def test_rows_run_without_drafting_judge_the_first_draft(tmp_path, noise):
+    """Each row of a batch the head runs is judged: the d_1 it would have
+    drafted against the token of the next row (the target's choice), and for
+    the prompt's rows against the target's greedy choice. The counts equal a
+    recomputation over the same rows; a head that predicts the cycle well is
+    judged right far more often than a noisy one."""
+    path = write_cycle_checkpoint(tmp_path / "c", "qwen3_next", mtp_noise=noise)
+    model, _ = mlx_spec.load(path)
+    ids = cycle_order(0)[100:110]
+    drafter, rows = _judged_plain_run(model, ids, max_tokens=70)
+    head, cache = model.mtp_head, model.mtp_head.make_cache()
+
+    def judged(tokens, hidden, chosen):
+        hm = head.head_hidden(mx.array([tokens]), hidden[None], cache)
+        guesses = mx.argmax(head.logits(hm[:, :-1]), axis=-1)[0].tolist()
+        return sum(g == t for g, t in zip(guesses, chosen))
+
+    (prompt, prompt_hidden), accepted = rows[0], rows[1:]
+    greedy = mx.argmax(head.logits(prompt_hidden[1:]), axis=-1).tolist()
+    hits = judged(prompt, prompt_hidden, greedy)
+    tokens = sum((t for t, _ in accepted[:64]), [])  # the first batch of rows
+    hidden = mx.concatenate([h for _, h in accepted[:64]])
+    hits += judged(tokens, hidden, tokens[1:])
+    assert drafter.hindsight() == {"mtp": (hits, len(prompt) - 1 + 63)}
+    assert drafter.hindsight() == {}  # taken
+    if noise == 0.0:
+        assert hits >= 0.9 * 71
+    else:
+        assert hits <= 0.8 * 71

@@ -95,3 +95,20 @@ def test_profile_time_is_not_prompt_time(models, fresh_profiles, monkeypatch):
         pass
     assert stats.profile_seconds >= 1000.0
     assert r.prompt_tps > len(prompt) / 100.0
+
+
+def test_head_step_cost_is_measured_once_and_kept_on_disk(
+    models, plain_models, fresh_profiles, monkeypatch
+):
+    model = models["qwen3_next"][0]
+    measured, real = [], profile._measure_head_step
+    monkeypatch.setattr(
+        profile,
+        "_measure_head_step",
+        lambda head, r: measured.append(r) or real(head, 1),
+    )
+    cost = profile.head_step_cost(model)
+    assert 0 < cost < 1 and len(measured) == 1
+    monkeypatch.setattr(profile, "_profiles", {})  # a new process: from disk
+    assert profile.head_step_cost(model) == cost and len(measured) == 1
+    assert profile.head_step_cost(plain_models["qwen3_next"][0]) is None  # no head

@@ -147,7 +147,7 @@ class BatchDecoder:
             costs = verify_costs or verify_cost_profile(self.model)
             group = pipeline_group(self.model)
             policy = SourcePolicies(
-                lambda: DraftLengthPolicy(costs, self.max_draft, group)
+                lambda source: DraftLengthPolicy(costs, self.max_draft, group)
             )
             self.lengths = self.lengths or PassLength(costs, group)
         id, self._next_id = self._next_id, self._next_id + 1
@@ -258,6 +258,8 @@ class BatchDecoder:
                 continue
             caps[b] = room if row.policy is None else min(room, row.decoder.max_draft)
             # its source (heads are caught up later, together)
+            if row.policy is not None:
+                row.policy.exchange(row.decoder.drafter)
             source = row.decoder.draft_source(caps[b], look=False)
             head = head_drafter(row.decoder.drafter)
             if head is not None and (source == "mtp" or head is row.decoder.drafter):

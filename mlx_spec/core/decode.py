@@ -156,6 +156,8 @@ class SpeculativeDecoder:
         took_queued = self._queued is not None
         draft = [] if took_queued else self._draft(k)  # list or lazy array
         self.drafted, self.draft_seconds = len(draft), time.perf_counter() - tic
+        if isinstance(draft, mx.array):  # lazy: the host timer saw none of it
+            self.draft_seconds = None
         clock.lap("draft", draft if isinstance(draft, mx.array) else None)
 
         inputs = mx.array(self.history[-1:], mx.uint32)
@@ -305,6 +307,8 @@ def speculative_generate_step(
             make_draft_sampler(sampler, logits_processors, history)
         )
     progress(0, len(tokens))
+    if policy:  # the drafter judges in hindsight from the prompt's rows on
+        policy.exchange(decoder.drafter)
     decoder.feed(tokens, lambda n: progress(n, len(tokens)))
     clock = PhaseClock(stats, timing)
     produced, done = 0, False
@@ -313,6 +317,8 @@ def speculative_generate_step(
             clock.lap("host")
             room = min(max_draft, max_tokens - produced - 1, decoder.draft_room())
             context = len(decoder.history)
+            if policy:
+                policy.exchange(decoder.drafter)
             source = decoder.draft_source(room) if policy else None
             k = policy.choose(room, context, source) if policy else room
             plain_next = (

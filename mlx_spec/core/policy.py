@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
 from ..models.pipeline import from_rank0
 from .least_squares import decayed, outer, solve_linear
-from .verify_profile import PROFILE_CONTEXTS, verify_cost_profiles
+from .verify_profile import PROFILE_CONTEXTS, head_step_cost, verify_cost_profiles
 
 # Prior acceptance per position before any evidence, and its weight (in passes).
 _PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
@@ -49,6 +49,7 @@ _SLOPE_PRIOR_WEIGHT, _FIXED_PRIOR_WEIGHT = 0.5, 0.05
 # (decaying with _COST_DECAY per pass) falls below this: about every 28 passes,
 # so the cost line is anchored at k = 0, not extrapolated to it.
 _PLAIN_PROBE_WEIGHT = 0.25
+HEAD_SOURCE = "mtp"  # the draft source of the model's MTP head
 
 
 def most_drafts(num_draft_tokens) -> int:
@@ -62,12 +63,20 @@ def most_drafts(num_draft_tokens) -> int:
 def make_policy(model, verify_costs: Optional[List[float]] = None, group=None):
     """The auto policy for ``model`` (per draft source): from ``verify_costs``
     (one profile, no growth with context) when given, else from the measured
-    profiles."""
+    profiles, the MTP head's drafts starting from its measured step cost."""
     if verify_costs is not None:
-        return SourcePolicies(lambda: DraftLengthPolicy(verify_costs, group=group))
+        return SourcePolicies(
+            lambda source: DraftLengthPolicy(verify_costs, group=group)
+        )
     short, long = verify_cost_profiles(model)
+    head = head_step_cost(model) or 0.0
     return SourcePolicies(
-        lambda: DraftLengthPolicy(short, group=group, long_costs=long)
+        lambda source: DraftLengthPolicy(
+            short,
+            group=group,
+            long_costs=long,
+            draft_cost=head if source == HEAD_SOURCE else 0.0,
+        )
     )
 
 
@@ -90,9 +99,11 @@ class DraftLengthPolicy:
 
     ``verify_costs`` / ``long_costs``: the profile after ``PROFILE_CONTEXTS``
     tokens of context (seconds, index 0 = 1 token; without ``long_costs``
-    the cost does not grow with context). ``group``: the ranks of a pipeline,
-    which time their passes differently but must verify the same number of
-    tokens: rank 0's choice is used."""
+    the cost does not grow with context). ``draft_cost``: seconds a draft
+    costs beyond its verify forward, until drafts are timed (the profiled
+    step of the MTP head, whose lazy drafts a host timer does not see).
+    ``group``: the ranks of a pipeline, which time their passes differently
+    but must verify the same number of tokens: rank 0's choice is used."""
 
     def __init__(
         self,
@@ -100,6 +111,7 @@ class DraftLengthPolicy:
         max_draft: int = MAX_AUTO_DRAFT_TOKENS,
         group=None,
         long_costs: Optional[List[float]] = None,
+        draft_cost: float = 0.0,
     ):
         self.group = group
         self.verify_costs = list(verify_costs)
@@ -107,7 +119,7 @@ class DraftLengthPolicy:
         self.max_draft = min(max_draft, len(self.verify_costs) - 1)
         self.accepted = [0.0] * self.max_draft  # decayed counts per position
         self.drafted = [0.0] * self.max_draft
-        self.draft_cost = 0.0  # host-timed seconds per drafted token
+        self.draft_cost = draft_cost  # seconds per drafted token (host-timed)
         # Normal equations of the decayed least squares over observed passes
         # of r = extra + fixed [k > 0] + slope k, r being a pass's seconds
         # beyond its verify forward (see fitted_costs).
@@ -232,6 +244,17 @@ class DraftLengthPolicy:
             self.draft_cost = 0.8 * self.draft_cost + 0.2 * per_token
             self._fitted = None
 
+    def observe_hindsight(self, hits: int, trials: int):
+        """``trials`` first drafts judged without a verify pass, ``hits`` of
+        them right: evidence for the first position, as from ``trials``
+        one-draft passes (each decaying the older evidence)."""
+        if trials <= 0:
+            return
+        decay = _DECAY**trials
+        weight = (1 - decay) / (1 - _DECAY)  # sum of the trials' decayed weights
+        self.accepted[0] = self.accepted[0] * decay + weight * hits / trials
+        self.drafted[0] = self.drafted[0] * decay + weight
+
     def observe_pass(
         self, n_drafted: int, seconds: float, context: int = PROFILE_CONTEXTS[0]
     ):
@@ -262,7 +285,7 @@ class DraftLengthPolicy:
 class SourcePolicies:
     """One :class:`DraftLengthPolicy` per draft source of a drafter that
     switches sources (``mtp+ngram``: a copy's acceptance and cost are not the
-    head's). Each pass is chosen, recorded and timed by its source's policy,
+    head's); ``make(source)`` creates one. Each pass is chosen, recorded and timed by its source's policy,
     so a head that does not pay is switched off where it would draft while
     copies keep their own, longer drafts. Source None: a one-source drafter."""
 
@@ -270,11 +293,14 @@ class SourcePolicies:
         self._make, self.by_source = make, {}
         self.active: Optional[DraftLengthPolicy] = None
 
+    def _of(self, source: Optional[str]) -> DraftLengthPolicy:
+        if source not in self.by_source:
+            self.by_source[source] = self._make(source)
+        return self.by_source[source]
+
     def select(self, source: Optional[str]) -> DraftLengthPolicy:
         """The policy of ``source``, which the next update goes to."""
-        if source not in self.by_source:
-            self.by_source[source] = self._make()
-        self.active = self.by_source[source]
+        self.active = self._of(source)
         return self.active
 
     def choose(self, limit: int, context: int, source: Optional[str] = None) -> int:
@@ -284,6 +310,17 @@ class SourcePolicies:
         """Whether no source's policy would draft in the next pass: its
         source is not known before its input token is."""
         return all(p.next_is_plain() for p in self.by_source.values())
+
+    def exchange(self, drafter):
+        """Learn from the first drafts ``drafter`` judged in hindsight, then
+        tell it which sources pay now: those whose policy drafts or probes at
+        its next choice (a source without a policy yet does)."""
+        if drafter is not None:
+            for source, (hits, trials) in drafter.hindsight().items():
+                self._of(source).observe_hindsight(hits, trials)
+            for source, policy in self.by_source.items():
+                if source is not None:
+                    drafter.set_source_paying(source, not policy.next_is_plain())
 
     def update(self, *args):
         self.active.update(*args)

@@ -1,5 +1,6 @@
-"""The verify-cost profile behind ``auto``: what a target forward over
-T = 1..9 tokens takes on this machine, after a short and a long context.
+"""The cost profile behind ``auto``: what a target forward over T = 1..9
+tokens takes on this machine, after a short and a long context, and what one
+step of the model's MTP head takes.
 
 Measured once per machine, MLX version, BLAS and model, kept for the process
 and on disk (:func:`profile_cache_file`), so later runs skip it.
@@ -52,6 +53,53 @@ def verify_cost_profile(
     return costs
 
 
+def head_step_cost(model, repeats: int = 5) -> Optional[float]:
+    """Seconds of one step of the model's MTP head (a row through its layer,
+    its logits and their argmax) after ``PROFILE_CONTEXTS[0]`` rows; None
+    without a head. A drafting pass runs about one step per draft (the
+    catch-up on the last pass's rows, then a step per draft after the
+    first), which its host timer does not see: the drafts are lazy.
+    Measured once, like the verify costs."""
+    head = getattr(model, "__dict__", {}).get("mtp_head")
+    if head is None:
+        return None
+    key = ("head", id(model))
+    if key not in _profiles:
+        disk_key = _profile_key(model, 1, "head")
+        cost = _read_profile(disk_key, 1)
+        if cost is None:
+            cost = [_measure_head_step(head, repeats)]
+            _write_profile(disk_key, cost)
+        _profiles[key] = cost
+    return _profiles[key][0]
+
+
+def _measure_head_step(head, repeats: int) -> float:
+    """The minimum over ``repeats`` timed steps, after a warm-up step, on a
+    scratch cache of random rows (trimmed back after every step)."""
+    H, vocab = head.hidden_size, head.vocab_size
+    dtype = head.pre_fc_norm_hidden.weight.dtype  # the compute dtype
+    cache = head.make_cache()
+
+    def step(n: int) -> float:
+        """Seconds of n rows through the head, to the last one's argmax."""
+        tokens = mx.random.randint(0, vocab, (1, n))
+        hidden = mx.random.normal((1, n, H)).astype(dtype)
+        mx.eval(tokens, hidden)
+        tic = time.perf_counter()
+        hm = head.head_hidden(tokens, hidden, cache)[:, -1:]
+        mx.eval(mx.argmax(head.logits(hm)), [c.state for c in cache])
+        return time.perf_counter() - tic
+
+    step(PROFILE_CONTEXTS[0])
+    times = []
+    for _ in range(repeats + 1):  # the first warms the shape up
+        times.append(step(1))
+        for c in cache:
+            c.trim(1)
+    return min(times[1:])
+
+
 def verify_cost_profiles(model) -> Tuple[List[float], List[float]]:
     """The profile after each of ``PROFILE_CONTEXTS`` tokens (measured or cached)."""
     short, long = (verify_cost_profile(model, context=c) for c in PROFILE_CONTEXTS)
@@ -95,7 +143,7 @@ def profile_cache_file() -> Path:
     return Path(root) / "verify_costs.json"
 
 
-def _profile_key(model, max_tokens: int, context: int) -> str:
+def _profile_key(model, max_tokens: int, context) -> str:
     """What a profile depends on: the machine, its MLX and BLAS, the model."""
     what = {
         "host": platform.node(),

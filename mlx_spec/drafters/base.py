@@ -19,15 +19,22 @@ required; the rest have defaults that a simple drafter never touches:
 - ``draft_tokens(k)``: optional, ``draft`` without a host synchronisation: the
   tokens as a lazy ``mx.array`` [m] that the verify pass evaluates together
   with its own outputs (one synchronisation per pass), or a list.
-- ``draft_source(k, look)``: for a drafter with several sources (``mtp+ngram``),
-  which one drafts next; ``auto`` keeps a draft-length policy per source.
+- ``draft_source(k, look)``: the name of the source that drafts next (``mtp``:
+  the MTP head, ``ngram``: a copy; ``mtp+ngram`` switches between them);
+  ``auto`` keeps a draft-length policy per source.
+- ``hindsight()``: per source, ``(hits, trials)``: first drafts judged without
+  being verified (what the drafter would have drafted against the token the
+  target then chose), since the last call; ``auto`` learns from them.
+- ``set_source_paying(source, paying)``: ``auto`` says whether drafting from
+  ``source`` pays now, so a drafter need not run that source just to choose
+  between its sources.
 - ``catch_up()``: deferred work (e.g. head forwards over accepted rows) done
   now, so that timing the next ``draft`` measures drafting alone.
 - ``state`` / ``restore(history, arrays)``: arrays saved with a chat session
   and how to rebuild from them.
 """
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -60,10 +67,16 @@ class Drafter:
         """No deferred work by default."""
 
     def draft_source(self, k: int, look: bool = True) -> Optional[str]:
-        """Which source would draft ``k`` tokens next, for a drafter that
-        switches between sources (``look``: it may run deferred work to
-        answer exactly); None by default (one source)."""
+        """Which source would draft ``k`` tokens next (``look``: it may run
+        deferred work to answer exactly); None by default (an unnamed one)."""
         return None
+
+    def hindsight(self) -> Dict[str, Tuple[int, int]]:
+        """No first drafts judged in hindsight by default."""
+        return {}
+
+    def set_source_paying(self, source: str, paying: bool):
+        """Whether drafting from ``source`` pays now; one source: nothing to do."""
 
     @property
     def state(self) -> List[mx.array]:

@@ -17,6 +17,10 @@ disagreement (ties: the head). So it learns within a generation whether the
 head or the copy is more reliable where they differ, without running the
 head for a draft it does not use.
 
+Asking the head costs its deferred rows (a head forward) and a host
+synchronisation, so while ``auto`` finds that the head's drafts do not pay
+(``set_source_paying``) a copy is taken without asking.
+
 While sampling, the choice must not depend on the sampled draft:
 :meth:`MTPNgramDrafter.prefer_copy` (the agreement rule alone) decides before
 the head drafts. ``scripts/bench_mtp_ngram.py`` compares this with other rules.
@@ -39,6 +43,7 @@ class MTPNgramDrafter(Drafter):
     name = "mtp+ngram"
     needs_hidden = True
     learns_choice = True  # the scored choice above; False: ``prefer_copy`` only
+    head_pays = True  # False: a copy is taken without asking the head
 
     def __init__(self, head, max_ngram: int = 3):
         self.mtp = MTPDrafter(head)
@@ -76,6 +81,13 @@ class MTPNgramDrafter(Drafter):
     def catch_up(self):
         self.mtp.catch_up()
 
+    def hindsight(self):
+        return self.mtp.hindsight()
+
+    def set_source_paying(self, source: str, paying: bool):
+        if source == "mtp":
+            self.head_pays = paying
+
     @property
     def state(self) -> List[mx.array]:
         return self.mtp.state  # the n-gram index follows the history
@@ -100,6 +112,8 @@ class MTPNgramDrafter(Drafter):
         """Whether ``draft(k)`` looks at the head's state (runs its deferred
         rows): not for a copy of a full ``max_ngram`` match, taken as is."""
         copy = self.ngram.draft(k)
+        if copy and not self.head_pays:
+            return False
         return not copy or self.ngram.match_length() < self.ngram.max_ngram
 
     def draft_source(self, k: int, look: bool = True) -> Optional[str]:
@@ -112,6 +126,8 @@ class MTPNgramDrafter(Drafter):
         copy = self.ngram.draft(k)
         if not copy:
             return "mtp" if self.mtp.has_rows else None
+        if not self.head_pays:
+            return "ngram"
         partial = self.ngram.match_length() < self.ngram.max_ngram
         if not look and partial and self.mtp.pending_rows:
             return "ngram" if self.score["ngram"] > self.score["mtp"] else "mtp"
@@ -122,11 +138,12 @@ class MTPNgramDrafter(Drafter):
         return self._needs_head(self.ngram.draft(k))
 
     def _needs_head(self, copy: List[int]) -> bool:
-        """Without a copy: when the head has a row. With one: when the copy
-        is not preferred and (learning) the head has the better record."""
+        """Without a copy: when the head has a row. With one: when the head
+        pays, the copy is not preferred and (learning) the head has the
+        better record."""
         if not copy:
             return self.mtp.next_logits() is not None
-        if self.prefer_copy(copy):
+        if not self.head_pays or self.prefer_copy(copy):
             return False
         return not self._learns() or self.score["mtp"] >= self.score["ngram"]
 
@@ -146,7 +163,7 @@ class MTPNgramDrafter(Drafter):
         self.mtp.check_draft_length(k)
         self._divergence = None
         copy = self.ngram.draft(k)
-        if copy and self._learns() and not self.prefer_copy(copy):
+        if copy and self.head_pays and self._learns() and not self.prefer_copy(copy):
             head = int(mx.argmax(self.mtp.next_logits()).item())
             self._divergence = (copy[0], head)  # scored once the target decides
         out = self.mtp.draft_tokens(k) if self._needs_head(copy) else copy

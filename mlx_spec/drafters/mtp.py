@@ -14,9 +14,16 @@ target has verified:
 - ``accept(emitted, hidden)``: trim the draft-time rows, then append the rows
   ``(emitted[i], hidden[i])`` for i = 0..n in one batched forward, from the
   target's fresh hidden states; the last row gives the next d_1.
+
+Rows are run in batches (deferred while nothing is drafted), and every row
+of a batch but the last is followed by a row whose token the target chose:
+once asked (``hindsight``), the drafter judges the d_1 each row would have
+drafted against that token (and, for a prompt's last rows, against the
+target's greedy choice), so the ``auto`` policy learns the head's
+first-draft acceptance at every position, not only where it drafts.
 """
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -24,6 +31,7 @@ from .base import MAX_MTP_DRAFT_TOKENS, Drafter
 
 PREFILL_CHUNK = 2048
 PENDING_ROWS = 64  # accepted rows deferred at most before a head forward
+JUDGED_PROMPT_ROWS = 64  # a prompt's last rows judged in hindsight
 
 
 class MTPDrafter(Drafter):
@@ -54,6 +62,8 @@ class MTPDrafter(Drafter):
         self.draft_probs: Optional[mx.array] = None  # [m, V] q of a sampled draft
         self.pending_limit = PENDING_ROWS  # a batch that runs the rows lifts it
         self._offered = None  # a draft computed by a batch (see offer)
+        self._judging = False  # judge first drafts in hindsight (once asked)
+        self._judged = []  # [(hits, trials)], hits being evaluated (async)
 
     def check_draft_length(self, k):
         """ValueError unless 1 <= k <= max_draft (one MTP layer, reused per step)."""
@@ -87,6 +97,11 @@ class MTPDrafter(Drafter):
         self._run_pending()
         mx.eval(self._logits, [c.state for c in self.cache])
 
+    def draft_source(self, k: int, look: bool = True) -> Optional[str]:
+        """ "mtp" (the auto policy's name for the head's drafts; it knows what
+        a head step costs), None before the head has a row."""
+        return "mtp" if self.has_rows else None
+
     @property
     def has_rows(self) -> bool:
         """Whether the head has a verified row, run or deferred (it can draft)."""
@@ -97,17 +112,54 @@ class MTPDrafter(Drafter):
         self._run_pending()
         return self._logits
 
-    def _rows(self, tokens: mx.array, hidden: mx.array):
-        """Append verified rows. tokens: [L]; hidden: [L, H]. Keeps the last row."""
+    def _rows(self, tokens: mx.array, hidden: mx.array, judge: bool = True):
+        """Append verified rows. tokens: [L]; hidden: [L, H]. Keeps the last
+        row; ``judge``: the rows' first drafts against ``tokens``, which the
+        target chose (accepted rows, not a prompt's)."""
         hm = self.head.head_hidden(tokens[None], hidden[None], self.cache)  # [1, L, H]
         self._hm = hm[:, -1:]
         self._logits = self.head.logits(self._hm)[0, 0]
         self.verified += tokens.size
+        if judge:
+            self._judge(hm, tokens[1:])
+        return hm
+
+    def _judge(self, hm: mx.array, chosen: mx.array):
+        """Judge the d_1 of rows 0..L-2 against ``chosen`` [L-1], the token
+        the target chose after each (row i's d_1 meets row i + 1's token).
+        hm: [1, L, H] of consecutive rows. Greedy drafts only: a sampled
+        draft is judged when it is verified."""
+        if not self._judging or self.choose is not None or chosen.size == 0:
+            return
+        guesses = mx.argmax(self.head.logits(hm[:, :-1]), axis=-1)[0]  # [L-1]
+        hits = (guesses == chosen).sum()
+        mx.async_eval(hits)  # the rows run now, not at the next draft
+        self._judged.append((hits, chosen.size))
+        if len(self._judged) > 16:  # nobody asks: keep counts, not arrays
+            self._judged = [self._count_judged()]
+
+    def _count_judged(self) -> Tuple[int, int]:
+        hits = sum(
+            int(h.item()) if isinstance(h, mx.array) else h for h, _ in self._judged
+        )
+        return hits, sum(t for _, t in self._judged)
+
+    def hindsight(self) -> Dict[str, Tuple[int, int]]:
+        """``{"mtp": (hits, trials)}``: of the rows run since the last call,
+        how many would have drafted a first token the target then chose
+        (greedy drafts only: a sampled draft is judged when verified). The
+        first call turns judging on."""
+        self._judging = True
+        if not self._judged:
+            return {}
+        hits, trials = self._count_judged()
+        self._judged = []
+        return {"mtp": (hits, trials)}
 
     def reset(self, prompt_tokens: Sequence[int], hidden: Optional[mx.array]):
         """prompt_tokens: [N]; hidden: [N-1, H] for x_0..x_{N-2} (None if N == 1)."""
         self.cache = self.head.make_cache()
-        self._pending = []
+        self._pending, self._judged = [], []
         self.last_draft_logits = None
         self._logits = self._hm = None
         self._draft_rows = self.verified = 0
@@ -127,10 +179,16 @@ class MTPDrafter(Drafter):
         tokens = mx.array(list(prompt_tokens[1:]), dtype=mx.uint32)
         for start in range(0, n, PREFILL_CHUNK):
             stop = min(n, start + PREFILL_CHUNK)
-            self._rows(tokens[start:stop], hidden[start:stop])
+            hm = self._rows(tokens[start:stop], hidden[start:stop], judge=False)
             # Every chunk now, the last too: the head's prefill is prompt
             # processing, not the first verify pass's work.
             mx.eval([c.state for c in self.cache], self._logits)
+        # The prompt's last rows judged against the target's own greedy
+        # choice there (lm_head of its hidden state), so ``auto`` knows how
+        # the head fares from the first pass on.
+        last = min(JUDGED_PROMPT_ROWS, stop - start)
+        greedy = self.head.logits(hidden[stop - last + 1 : stop][None])
+        self._judge(hm[:, -last:], mx.argmax(greedy, axis=-1)[0])
 
     @property
     def state(self) -> List[mx.array]:
