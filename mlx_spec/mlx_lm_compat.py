@@ -16,6 +16,7 @@ from mlx_lm import convert, load
 from mlx_lm.chat import setup_arg_parser as chat_arg_parser
 from mlx_lm.generate import (
     DEFAULT_QUANTIZED_KV_START,
+    BatchGenerator,
     GenerationResponse,
     TextStateMachine,
     generate_step,
@@ -71,6 +72,7 @@ if _minor(MLX_LM_VERSION) != _minor(TESTED_MLX_LM[0]):
 
 __all__ = [
     "ArraysCache",
+    "BatchGenerator",
     "DEFAULT_QUANTIZED_KV_START",
     "GenerationResponse",
     "KVCache",

@@ -1,7 +1,10 @@
 """Batched speculative decoding without a server: tokens/s of a BatchDecoder
-over the bench workloads, prefill excluded, for several row counts.
+over the bench workloads, prefill excluded, for several row counts, against
+mlx-lm's batched plain decoding (``BatchGenerator``) of the same rows.
 
-    python scripts/bench_batch.py [--model DIR] [--rows 1 2 4] [--draft ngram mtp+ngram]
+    python scripts/bench_batch.py [--model DIR] [--rows 1 2 4] [--draft ngram mtp+ngram none]
+
+``none``: this batch decoder with no drafter (every pass one token a row).
 
 On Linux preload OpenBLAS for GPU-like matmul scaling (say so in results):
 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
@@ -17,12 +20,14 @@ from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters import make_drafter
+from mlx_spec.mlx_lm_compat import BatchGenerator
 
 
 def run(model, prompts, draft, rows, max_tokens, num_draft_tokens):
     batch = BatchDecoder(model, rows, max_draft=8)
     for i in range(rows):
-        d = SpeculativeDecoder(model, make_drafter(draft, model), max_draft=8)
+        drafter = None if draft == "none" else make_drafter(draft, model)
+        d = SpeculativeDecoder(model, drafter, max_draft=8)
         d.feed(prompts[i % len(prompts)])
         batch.add(d, max_tokens, num_draft_tokens=num_draft_tokens)
     tokens, passes = 0, 0
@@ -42,11 +47,42 @@ def run(model, prompts, draft, rows, max_tokens, num_draft_tokens):
     }
 
 
+def run_mlx_lm(model, prompts, rows, max_tokens):
+    """mlx-lm's batched plain decoding of the same rows (no stop token, as
+    above), timed from the first step in which every row decodes."""
+    gen = BatchGenerator(model, max_tokens=max_tokens)
+    gen.insert([prompts[i % len(prompts)] for i in range(rows)], [max_tokens] * rows)
+    tokens = steps = finished = 0
+    tic = None
+    for _ in range(100 * max_tokens):  # bounded; ends when every row finished
+        _, responses = gen.next()
+        if tic is None and len(responses) == rows:
+            tic = time.perf_counter()  # this step's tokens are not counted
+        elif tic is not None:
+            tokens, steps = tokens + len(responses), steps + 1
+        finished += sum(r.finish_reason is not None for r in responses)
+        if finished == rows:
+            break
+    seconds = time.perf_counter() - tic
+    gen.close()
+    return {
+        "draft": "mlx_lm",
+        "rows": rows,
+        "tokens": tokens,
+        "passes": steps,
+        "tok_per_s": round(tokens / seconds, 1),
+        "ms_per_pass": round(seconds / steps * 1e3, 2),
+    }
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(default_model_path()))
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--draft", nargs="+", default=["ngram", "mtp+ngram"])
+    p.add_argument(
+        "--no-mlx-lm", action="store_true", help="skip mlx-lm's batched baseline"
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-draft-tokens", default="3")
     args = p.parse_args()
@@ -58,9 +94,12 @@ def main():
     print(json.dumps(machine_info()))
     print("| draft | rows | tokens/s | ms per pass | tokens per pass |")
     print("|---|---|---|---|---|")
-    for draft in args.draft:
+    for draft in ([] if args.no_mlx_lm else ["mlx_lm"]) + args.draft:
         for rows in args.rows:
-            r = run(model, prompts, draft, rows, args.max_tokens, k)
+            if draft == "mlx_lm":
+                r = run_mlx_lm(model, prompts, rows, args.max_tokens)
+            else:
+                r = run(model, prompts, draft, rows, args.max_tokens, k)
             print(
                 f"| {draft} | {rows} | {r['tok_per_s']} | {r['ms_per_pass']} | "
                 f"{r['tokens'] / r['passes']:.2f} |",

@@ -266,3 +266,19 @@ def test_a_head_row_does_not_draft_up_to_a_copy_rows_length(models, family):
     )
     assert got == ref
     assert stats.drafted < 2 * stats.verify_passes  # filled: 5 a pass
+
+
+def test_a_row_without_a_drafter_decodes_plainly_under_auto(models):
+    """``auto`` has nothing to choose for a row without a drafter: it
+    decodes one token a pass beside an auto row that drafts."""
+    model, tok = models["qwen3_next"]
+    batch = BatchDecoder(model, n_slots=2, max_draft=4)
+    rows, want = {}, {}
+    for prompt, draft in ((prompts("mixed"), None), (prompts("repetitive"), "ngram")):
+        ref = reference_tokens(model, tok, prompt, 12)
+        drafter = draft and make_drafter(draft, model)
+        d = joined(model, prompt, drafter)
+        b = batch.add(d, 12, num_draft_tokens="auto", stop_tokens={EOS})
+        rows[b], want[b] = [], ref
+    run(batch, rows)
+    assert rows == want

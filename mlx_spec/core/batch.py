@@ -143,7 +143,7 @@ class BatchDecoder:
         auto = num_draft_tokens == "auto"
         most = self.max_draft if auto else min(num_draft_tokens, self.max_draft)
         policy = None
-        if auto:  # costs of one sequence's passes (measured once per model)
+        if auto and decoder.drafter is not None:  # one sequence's pass costs
             costs = verify_costs or verify_cost_profile(self.model)
             group = pipeline_group(self.model)
             policy = SourcePolicies(
