@@ -283,11 +283,11 @@ class DraftLengthPolicy:
 
 
 class SourcePolicies:
-    """One :class:`DraftLengthPolicy` per draft source of a drafter that
-    switches sources (``mtp+ngram``: a copy's acceptance and cost are not the
-    head's); ``make(source)`` creates one. Each pass is chosen, recorded and timed by its source's policy,
-    so a head that does not pay is switched off where it would draft while
-    copies keep their own, longer drafts. Source None: a one-source drafter."""
+    """One :class:`DraftLengthPolicy` per draft source (``mtp+ngram``: a
+    copy's acceptance and cost are not the head's), ``make(source)`` creating
+    each. Each pass is chosen, recorded and timed by its source's policy, so a
+    head that does not pay is switched off where it would draft while copies
+    keep their own, longer drafts. Source None: an unnamed one."""
 
     def __init__(self, make):
         self._make, self.by_source = make, {}

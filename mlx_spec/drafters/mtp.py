@@ -98,8 +98,8 @@ class MTPDrafter(Drafter):
         mx.eval(self._logits, [c.state for c in self.cache])
 
     def draft_source(self, k: int, look: bool = True) -> Optional[str]:
-        """ "mtp" (the auto policy's name for the head's drafts; it knows what
-        a head step costs), None before the head has a row."""
+        """The source name ``"mtp"``: ``auto`` starts the head's drafts from
+        the measured cost of a head step; None before the head has a row."""
         return "mtp" if self.has_rows else None
 
     @property
