@@ -60,3 +60,20 @@ def test_memory_flat_on_demo_model(draft):
     )
     assert stats.acceptance_rate > 0.5
     assert growth < SLACK_BYTES, f"grew {growth / 1e6:.1f} MB over 700 tokens"
+
+
+@pytest.mark.parametrize("draft", ["mtp", "mtp+ngram"])
+def test_memory_flat_under_auto(cycle_models, draft):
+    """``auto`` keeps a policy and the head's judgements in hindsight: they
+    must not grow either."""
+    model, tok = cycle_models["qwen3_next"]
+    growth, stats = memory_growth(
+        model,
+        tok,
+        cycle_order()[:40],
+        draft,
+        marks=(400, 1200),
+        num_draft_tokens="auto",
+    )
+    assert stats.acceptance_rate > 0.5 and stats.tokens_per_pass > 2
+    assert growth < SLACK_BYTES, f"grew {growth / 1e6:.1f} MB over 800 tokens"
