@@ -327,29 +327,6 @@ def test_passes_are_learned_at_the_context_they_ran_at(models, monkeypatch):
     assert chosen[0] == len(prompt) and chosen == sorted(chosen)
 
 
-def test_each_draft_source_has_its_own_draft_length():
-    """Copies always right, head drafts right one time in three: one policy
-    per source drafts long copies and switches the head off (bar its probes);
-    one policy for both (the negative control) learns a mixed acceptance that
-    is too low for the copies to be drafted at all."""
-    costs = [1e-3 * (1 + 0.5 * t) for t in range(9)]
-    split = SourcePolicies(lambda source: DraftLengthPolicy(costs))
-    mixed = DraftLengthPolicy(costs)
-    chosen = {(p, s): [] for p in ("split", "mixed") for s in ("ngram", "mtp")}
-    for i in range(300):
-        source = "ngram" if i % 2 else "mtp"
-        for name in ("split", "mixed"):
-            if name == "split":
-                policy, k = split, split.choose(8, 100, source)
-            else:
-                policy, k = mixed, mixed.choose(8, 100)
-            policy.update(k, k if source == "ngram" else min(k, int(i % 6 == 0)))
-            chosen[name, source].append(k)
-    assert chosen["split", "ngram"].count(8) >= 120  # of 150 copy passes
-    assert chosen["split", "mtp"].count(0) >= 130  # of 150 head passes
-    assert chosen["mixed", "ngram"].count(8) < 10
-
-
 def test_passes_are_timed_only_over_their_own_forward(models, monkeypatch):
     """A plain pass queued ahead runs during the pass before it: the pass that
     starts a run of queued passes waits for two target forwards, the one
@@ -395,63 +372,3 @@ def test_passes_are_timed_only_over_their_own_forward(models, monkeypatch):
     assert 0 in drafted and len(drafted) >= 2
     assert len(observed) >= 30
     assert all(ran == 1 for _, ran in observed), observed
-
-
-def _switched_off(policy, source=None):
-    """Drive ``policy`` (a SourcePolicies when ``source``) to k = 0."""
-    for _ in range(60):
-        k = policy.choose(8, 32, source) if source else policy.choose(8)
-        policy.update(k, 0)
-    return policy
-
-
-def test_first_drafts_judged_in_hindsight_switch_drafting_back_on():
-    costs = [1e-3 * (1 + 0.3 * t) for t in range(9)]
-    good, bad = _switched_off(DraftLengthPolicy(costs)), _switched_off(
-        DraftLengthPolicy(costs)
-    )
-    assert good.best == bad.best == 0
-    good.observe_hindsight(60, 64)  # the head would have been right 94% of the time
-    bad.observe_hindsight(4, 64)  # control: right 6% of the time
-    bad.observe_hindsight(64, 0)  # no trials: no evidence
-    assert good.choose(8) > 0 and good.acceptance()[0] > 0.85
-    assert bad.choose(8) == 0 and bad.acceptance()[0] < 0.1
-
-
-class _JudgingDrafter:
-    def __init__(self, evidence):
-        self.evidence, self.paying = evidence, {}
-
-    def hindsight(self):
-        evidence, self.evidence = self.evidence, {}
-        return evidence
-
-    def set_source_paying(self, source, paying):
-        self.paying[source] = paying
-
-
-def test_exchange_learns_hindsight_and_tells_which_sources_pay():
-    costs = [1e-3 * (1 + 0.05 * t) for t in range(9)]  # drafts cheap
-    sources = _switched_off(
-        SourcePolicies(lambda source: DraftLengthPolicy(costs)), "mtp"
-    )
-    sources.choose(8, 32, "ngram")  # a copy source, drafting on its prior
-    drafter = _JudgingDrafter({})
-    sources.exchange(drafter)
-    assert drafter.paying == {"mtp": False, "ngram": True}
-    drafter.evidence = {"mtp": (62, 64)}
-    sources.exchange(drafter)
-    assert sources.choose(8, 32, "mtp") > 0
-    sources.exchange(drafter)
-    assert drafter.paying["mtp"]
-    sources.exchange(None)  # no drafter: nothing to exchange
-
-
-def test_the_heads_drafts_start_from_its_measured_step_cost(models):
-    from mlx_spec.core.policy import make_policy
-    from mlx_spec.core.verify_profile import head_step_cost
-
-    model, _ = models["qwen3_next"]
-    policies = make_policy(model)
-    assert policies.select("mtp").draft_cost == head_step_cost(model) > 0
-    assert policies.select("ngram").draft_cost == 0.0
