@@ -297,3 +297,10 @@ def test_rows_run_without_drafting_judge_the_first_draft(tmp_path, noise):
         assert hits >= 0.9 * 71
     else:
         assert hits <= 0.8 * 71
+
+
+def test_a_prompt_of_two_tokens_has_no_row_to_judge(models):
+    """One prompt row is followed by none: nothing to judge (no empty argmax)."""
+    model, tok = models["qwen3_next"]
+    drafter, _ = _judged_plain_run(model, tok.encode(PROMPT)[:2], max_tokens=3)
+    assert drafter.hindsight() == {}

@@ -187,8 +187,9 @@ class MTPDrafter(Drafter):
         # choice there (lm_head of its hidden state), so ``auto`` knows how
         # the head fares from the first pass on.
         last = min(JUDGED_PROMPT_ROWS, stop - start)
-        greedy = self.head.logits(hidden[stop - last + 1 : stop][None])
-        self._judge(hm[:, -last:], mx.argmax(greedy, axis=-1)[0])
+        if last > 1:  # one row is followed by no row to judge it against
+            greedy = self.head.logits(hidden[stop - last + 1 : stop][None])
+            self._judge(hm[:, -last:], mx.argmax(greedy, axis=-1)[0])
 
     @property
     def state(self) -> List[mx.array]:
