@@ -155,14 +155,14 @@ class SpeculativeDecoder:
         tic = time.perf_counter()
         took_queued = self._queued is not None
         draft = [] if took_queued else self._draft(k)  # list or lazy array
-        self.drafted, self.draft_seconds = len(draft), time.perf_counter() - tic
-        if isinstance(draft, mx.array):  # lazy: the host timer saw none of it
-            self.draft_seconds = None
-        clock.lap("draft", draft if isinstance(draft, mx.array) else None)
+        self.drafted = len(draft)
+        lazy = isinstance(draft, mx.array)  # the host timer saw none of its work
+        self.draft_seconds = None if lazy else time.perf_counter() - tic
+        clock.lap("draft", draft if lazy else None)
 
         inputs = mx.array(self.history[-1:], mx.uint32)
         if len(draft):
-            tail = draft if isinstance(draft, mx.array) else mx.array(draft, mx.uint32)
+            tail = draft if lazy else mx.array(draft, mx.uint32)
             self.cache.begin(1 + len(draft))
             logits, hidden = self.target.forward(mx.concatenate([inputs, tail]))
         else:  # one token: a plain decoding step, nothing to roll back

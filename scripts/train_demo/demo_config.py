@@ -151,12 +151,18 @@ def get_config(preset: str = "demo", **overrides) -> DemoConfig:
     unknown = sorted(set(overrides) - set(known))
     if unknown:
         raise ValueError(f"unknown config fields {unknown}")
-    for name, value in overrides.items():
-        if name.endswith("extra_steps"):
-            overrides[name] = value = _cycles(name, value)
-        elif name.endswith("_steps") and not (type(value) is int and value >= 1):
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return replace(cfg, **overrides)
+    budgets = {k: _budget(k, v) for k, v in overrides.items() if k.endswith("_steps")}
+    return replace(cfg, **{**overrides, **budgets})
+
+
+def _budget(name: str, value):
+    """A ``*_steps`` field checked: an integer >= 1, or for ``*_extra_steps``
+    the cycles as a tuple (see :func:`_cycles`)."""
+    if name.endswith("extra_steps"):
+        return _cycles(name, value)
+    if not (type(value) is int and value >= 1):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _cycles(name: str, value) -> Tuple[int, ...]:
