@@ -282,3 +282,61 @@ def test_a_row_without_a_drafter_decodes_plainly_under_auto(models):
         rows[b], want[b] = [], ref
     run(batch, rows)
     assert rows == want
+
+
+def test_plain_passes_are_queued_and_undone_when_rows_change(models, family):
+    """Rows without drafters: each plain pass queues the next one before
+    its tokens are read. A row joining, stopping or leaving while a pass is
+    queued rolls it back: every row's tokens are plain decoding's, and a row
+    taken out holds plain decoding's caches."""
+    model, tok = models[family]
+    a, b, c = prompts("mixed", seed=1), prompts("repetitive", seed=2), [7, 8]
+    want = {tuple(p): reference_tokens(model, tok, p, 20) for p in (a, b, c)}
+    stop = want[tuple(a)][6]  # a stops early, on a token it emits
+    want[tuple(a)] = want[tuple(a)][: want[tuple(a)].index(stop) + 1]
+    batch = BatchDecoder(model, n_slots=3, max_draft=4)
+    got = {}
+
+    def add(p, stops=()):
+        id = batch.add(joined(model, p, None), 20, stop_tokens=stops)
+        got[id] = []
+        return id
+
+    def step():
+        for id, (tokens, _) in batch.step().items():
+            got[id] += tokens
+        return batch.queued
+
+    sa, sb = add(a, {stop}), add(b)
+    assert [step() for _ in range(3)] == [True] * 3
+    sc = add(c)  # joins while a pass is queued
+    while sa in batch.active:
+        step()
+    batch.take(sa)  # a stopped: the pass queued with it was undone
+    assert step()
+    left, n = batch.take(sb), len(got[sb])  # b leaves while one is queued
+    run(batch, got)
+    assert got[sa] == want[tuple(a)] and got[sc] == want[tuple(c)]
+    left.flush()
+    plain = make_prompt_cache(model)
+    assert got[sb] == reference_tokens(model, tok, b, n, prompt_cache=plain)
+    for x, y in zip(cache_arrays(left.cache.caches), cache_arrays(plain)):
+        assert x.shape == y.shape and mx.array_equal(x, y).item()
+
+
+def test_a_row_drafting_a_fixed_length_queues_nothing(models):
+    """Control: beside a row with a fixed draft length (whose next pass may
+    draft), no pass is queued."""
+    model, tok = models["qwen3_next"]
+    batch = BatchDecoder(model, n_slots=2, max_draft=4)
+    rows, want = {}, {}
+    for prompt, draft in ((prompts("mixed"), None), (prompts("random"), "ngram")):
+        d = joined(model, prompt, draft and make_drafter(draft, model))
+        rows[batch.add(d, 12, num_draft_tokens=3)] = []
+        want[len(rows) - 1] = reference_tokens(model, tok, prompt, 12)
+    queued = []
+    while batch.active:
+        for b, (tokens, _) in batch.step().items():
+            rows[b] += tokens
+        queued.append(batch.queued)
+    assert rows == want and not any(queued)

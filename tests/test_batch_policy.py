@@ -27,6 +27,21 @@ def test_rows_whose_drafts_fail_decode_plainly_with_a_probe():
     assert mx.arange(4)[: ks[-1]].tolist() == [0]
 
 
+def test_the_pass_before_a_probe_is_not_said_to_be_plain():
+    """``next_is_plain`` says, before the choice, whether it will draft
+    nothing: true after plain choices until the probe is due."""
+    policy = PassLength(PROFILE)
+    assert not policy.next_is_plain()  # nothing chosen yet
+    said = []
+    for _ in range(PROBE_EVERY):
+        said.append(policy.next_is_plain())
+        k, _ = policy.choose(2, [([0.0] * 8, 8)] * 2)
+        assert said[-1] <= (k == 0)  # never plain when it drafts
+    assert said == [False] + [True] * (PROBE_EVERY - 2) + [False]
+    policy.choose(2, [([0.9] * 8, 8)] * 2)  # drafting pays
+    assert not policy.next_is_plain()
+
+
 def test_a_longer_fixed_draft_elsewhere_is_free_to_match():
     """The pass computes 1 + 5 positions anyway: an auto row may as well
     draft up to 5, even with poor acceptance."""

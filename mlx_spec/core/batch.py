@@ -41,30 +41,6 @@ from .target import Target
 from .verify import verify_draft
 
 
-def _append_gdn_row(mine: GDNSlotCache, theirs, rows_before: int):
-    """Append one sequence's GDN state; None arrays mean the zero state."""
-    conv, state = theirs.cache
-    if mine.cache[0] is None and conv is None:
-        return  # every row still at the zero state
-    if mine.cache[0] is None:  # rows so far are at the zero state
-        mine.cache = [
-            mx.zeros((rows_before,) + a.shape[1:], a.dtype) for a in (conv, state)
-        ]
-    new = [
-        mx.zeros_like(a[:1]) if t is None else t
-        for a, t in zip(mine.cache, (conv, state))
-    ]
-    mine.cache = [mx.concatenate([a, n]) for a, n in zip(mine.cache, new)]
-
-
-def _remove_gdn_row(mine: GDNSlotCache, b: int):
-    if mine.cache[0] is not None and mine.cache[0].shape[0] == 1:
-        mine.cache = [None, None]  # empty: the next row sets the shapes
-    elif mine.cache[0] is not None:
-        keep = mx.array([i for i in range(mine.cache[0].shape[0]) if i != b], mx.int32)
-        mine.cache = [a[keep] for a in mine.cache]
-
-
 @dataclass
 class _Row:
     id: int
@@ -95,9 +71,11 @@ class BatchDecoder:
                 self.attention.append(c)
             self.caches.append(c)
         self.target = Target(model, self)
+        self.group = pipeline_group(model)
         self.rows: List[_Row] = []  # the batch's rows, in cache order
         self.heads: Optional[MTPBatch] = None  # the rows' MTP heads, run together
         self.lengths: Optional[PassLength] = None  # the auto rows' shared length
+        self._queued = None  # (logits, hidden) of a plain pass queued ahead
         self._next_id = 0
 
     @property
@@ -130,11 +108,12 @@ class BatchDecoder:
             raise ValueError("the decoder has no pending token: feed it first")
         if self.free == 0:
             raise RuntimeError(f"all {self.n_slots} slots are in use")
+        self._unqueue()
         for mine, theirs in zip(self.caches, decoder.cache.caches):
             if isinstance(mine, RaggedKVCache):
                 mine.append_row(theirs)
             else:
-                _append_gdn_row(mine, theirs, len(self.rows))
+                mine.append_row(theirs, len(self.rows))
         self._join_head(decoder.drafter)
         sampler = sampler or make_sampler(0.0)
         if decoder.drafter is not None:
@@ -145,11 +124,10 @@ class BatchDecoder:
         policy = None
         if auto and decoder.drafter is not None:  # one sequence's pass costs
             costs = verify_costs or verify_cost_profile(self.model)
-            group = pipeline_group(self.model)
             policy = SourcePolicies(
-                lambda source: DraftLengthPolicy(costs, self.max_draft, group)
+                lambda source: DraftLengthPolicy(costs, self.max_draft, self.group)
             )
-            self.lengths = self.lengths or PassLength(costs, group)
+            self.lengths = self.lengths or PassLength(costs, self.group)
         id, self._next_id = self._next_id, self._next_id + 1
         row = _Row(id, decoder, sampler, policy, most, max_tokens, set(stop_tokens))
         self.rows.append(row)
@@ -159,6 +137,7 @@ class BatchDecoder:
         """Remove sequence ``id``; it leaves as a single-sequence decoder whose
         caches hold exactly what it decoded."""
         b = self._index(id)
+        self._unqueue()
         decoder = self.rows.pop(b).decoder
         mtp = head_drafter(decoder.drafter)
         if self.heads is not None and mtp in self.heads:
@@ -173,7 +152,7 @@ class BatchDecoder:
             else:
                 if mine.cache[0] is not None:
                     theirs.cache = [mx.array(a[b : b + 1]) for a in mine.cache]
-                _remove_gdn_row(mine, b)
+                mine.remove_row(b)
         return decoder
 
     def _join_head(self, drafter):
@@ -190,17 +169,29 @@ class BatchDecoder:
     def finish(self, id: int):
         """Stop sequence ``id`` (a client went away, a stop word): it stays
         until taken, and no longer decodes."""
-        self.rows[self._index(id)].done = True
+        row = self.rows[self._index(id)]
+        self._unqueue()
+        row.done = True
+
+    @property
+    def queued(self) -> bool:
+        """Whether the next pass, a plain one, is already running."""
+        return self._queued is not None
 
     # -- one pass ------------------------------------------------------------
     def step(self) -> Dict[int, Tuple[List[int], mx.array]]:
         """One verify pass over the active rows: each one's emitted tokens
         and their log-probabilities [j, V]."""
         active = [b for b, r in enumerate(self.rows) if not r.done]
+        if len(active) < len(self.rows):
+            self._unqueue()  # a row stopped in the pass that queued this one
         if not active:
             return {}
         tic = time.perf_counter()
-        ks = self._draft_lengths(active)
+        ks = self._draft_lengths(active)  # policies count this pass, queued or not
+        queued, self._queued = self._queued, None
+        if queued is not None:  # it was started over every row's one token
+            ks = dict.fromkeys(active, 0)
         head_seconds, head_steps, catch_up = self._draft_heads(ks)
         drafts, seconds = {}, {}
         for b in active:
@@ -212,16 +203,23 @@ class BatchDecoder:
         for b in active:
             seq = self.rows[b].decoder.history[-1:] + drafts[b]
             tokens[b][: len(seq)], lengths[b] = seq, len(seq)
-        ragged = any(n < T for n in lengths)  # else no token is masked
-        for c in self.gdn:
-            c.capturing, c.lengths = True, mx.array(lengths) if ragged else None
-        logits, hidden = self.target.forward_rows(mx.array(tokens))  # [B, T, V]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if queued is None:
+            ragged = any(n < T for n in lengths)  # else no token is masked
+            for c in self.gdn:
+                c.capturing, c.lengths = True, mx.array(lengths) if ragged else None
+        logits, hidden = queued or self.target.forward_rows(mx.array(tokens))
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, T, V]
+        plain = self._queue_plain(logprobs) if self._plain_ahead(active, T) else None
         kept, out = [0] * B, {}
         for b in active:
             row, draft = self.rows[b], drafts[b]
             q = row.decoder.drafter.draft_probs if draft else None
-            n, token = verify_draft(draft, logprobs[b, : lengths[b]], row.sampler, q)
+            if plain is not None:  # sampled as verify_draft samples a plain pass
+                n, token = 0, plain[b]
+            else:
+                n, token = verify_draft(
+                    draft, logprobs[b, : lengths[b]], row.sampler, q
+                )
             emitted = self._truncate(row, draft[:n] + [token])
             j = len(emitted)
             kept[b] = j + (row.done and j <= n)
@@ -230,15 +228,65 @@ class BatchDecoder:
                 row.policy.update(len(draft), n, seconds[b])
             h = None if hidden is None else hidden[b]
             row.decoder.advance(len(draft), n, emitted, kept[b], h)
-        for c in self.attention:
-            c.trim_rows([T - k for k in kept])
-        for c in self.gdn:
-            c.commit(kept[0] if B == 1 else kept)
-            c.lengths = None
-        if self.lengths is not None:
+        if plain is None:  # else committed before the next pass was queued
+            self._commit_caches(kept, T)
+        # A pass that queued the next one without running its own queued
+        # forward, or the reverse, timed two forwards or none.
+        if self.lengths is not None and (queued is None) == (plain is None):
             elapsed = time.perf_counter() - tic
             self.lengths.observe(B, T, elapsed, head_steps, catch_up)
         return out
+
+    def _commit_caches(self, kept: List[int], T: int):
+        """Every row keeps ``kept[b]`` of the pass's ``T`` inputs (0: the row
+        as before the pass)."""
+        for c in self.attention:
+            c.trim_rows([T - k for k in kept])
+        for c in self.gdn:
+            c.commit(kept[0] if len(kept) == 1 else kept)
+            c.lengths = None
+
+    def _plain_ahead(self, active: List[int], T: int) -> bool:
+        """Whether the pass after this plain one drafts nothing either: every
+        row decodes on and none drafts or probes next (its policy said so
+        before choosing), so it may be queued now. Never in a pipeline,
+        whose ranks agree on every pass."""
+        if T > 1 or len(active) < len(self.rows) or self.group is not None:
+            return False
+        alone = len(self.rows) == 1
+        for row in self.rows:
+            if row.remaining <= 1:
+                return False  # it finishes with this pass
+            if row.decoder.drafter is None or row.max_draft == 0:
+                continue
+            if row.policy is None:
+                return False  # a fixed draft length
+            policy = row.policy if alone else self.lengths
+            if not policy.next_is_plain():
+                return False
+        return True
+
+    def _queue_plain(self, logprobs: mx.array) -> List[int]:
+        """Each row's token of this plain pass (logprobs: [B, 1, V]). This
+        pass is committed and the next one, over these tokens, queued before
+        the host waits for them, as mlx-lm decodes: the device computes it
+        while the host does this pass's bookkeeping."""
+        choices = mx.concatenate(
+            [row.sampler(logprobs[b]) for b, row in enumerate(self.rows)]
+        )  # [B]
+        self._commit_caches([1] * len(self.rows), 1)
+        for c in self.gdn:
+            c.capturing = True
+        self._queued = self.target.forward_rows(choices[:, None])
+        mx.async_eval(choices, logprobs, *(a for a in self._queued if a is not None))
+        return choices.tolist()
+
+    def _unqueue(self):
+        """Roll a queued pass back (rows join, leave or stop): no row keeps a
+        token it was not given."""
+        if self._queued is not None:
+            self._queued = None
+            self._commit_caches([0] * len(self.rows), 1)
 
     def _draft_lengths(self, active: List[int]) -> Dict[int, int]:
         """Each active row's draft length. A fixed number stays; ``auto``

@@ -89,6 +89,7 @@ class PassLength:
         self._floor = (floor, [(1 - DECAY) * PRIOR_FLOOR * b for b in b0])
         self._theta = None  # the fitted (alpha, beta, gamma, delta)
         self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
+        self.last = None  # the last (k, k_h) chosen
 
     def cost(self, rows: int, T: int, head_steps: int = 0, catch_up: int = 0) -> float:
         """Seconds of a pass over ``rows`` rows of ``T`` positions, with
@@ -147,4 +148,10 @@ class PassLength:
             k, kh = min(1, limit), min(1, head_limit)  # one draft for every row
         if self.group is not None:
             k, kh = from_rank0(self.group, k), from_rank0(self.group, kh)
+        self.last = (k, kh)
         return k, kh
+
+    def next_is_plain(self) -> bool:
+        """Whether the next choice drafts nothing (said before it is made):
+        the last one drafted nothing and no probe is due."""
+        return self.last == (0, 0) and self.passes_at_zero + 1 < self.probe_every

@@ -124,6 +124,31 @@ class GDNSlotCache(ArraysCache):
         _, state = gated_delta_steps(*prefix, pre, mask, keep_states=False)
         return conv, state
 
+    # -- a batch's rows (see ``core.batch``) --------------------------------
+    def append_row(self, cache: ArraysCache, rows_before: int):
+        """Append one sequence's state as the last of ``rows_before`` rows
+        (None arrays: the zero state)."""
+        conv, state = cache.cache
+        if self.cache[0] is None and conv is None:
+            return  # every row still at the zero state
+        if self.cache[0] is None:  # rows so far are at the zero state
+            self.cache = [
+                mx.zeros((rows_before,) + a.shape[1:], a.dtype) for a in (conv, state)
+            ]
+        new = [
+            mx.zeros_like(a[:1]) if t is None else t
+            for a, t in zip(self.cache, (conv, state))
+        ]
+        self.cache = [mx.concatenate([a, n]) for a, n in zip(self.cache, new)]
+
+    def remove_row(self, b: int):
+        if self.cache[0] is not None and self.cache[0].shape[0] == 1:
+            self.cache = [None, None]  # empty: the next row sets the shapes
+        elif self.cache[0] is not None:
+            rows = range(self.cache[0].shape[0])
+            keep = mx.array([i for i in rows if i != b], mx.int32)
+            self.cache = [a[keep] for a in self.cache]
+
 
 def _flatten(tree):
     if isinstance(tree, (list, tuple)):
