@@ -114,3 +114,18 @@ def test_a_head_that_does_not_pay_is_not_asked_about_copies():
     d.ngram.copy = [5, 6]
     d.set_source_paying("mtp", True)  # control: the head is asked again
     assert d.draft_source(3) == "mtp" and d.mtp.looked > 0
+
+
+def test_hindsight_names_each_source():
+    """The head's judgements stay under "mtp", the copies' (the n-gram
+    index's one source) come under "ngram"; a source with nothing judged is
+    left out."""
+    from mlx_spec.drafters.ngram import NgramDrafter
+
+    d = _drafter()
+    d.ngram = NgramDrafter(3)
+    d.ngram.reset([1, 2, 3, 1, 2])
+    d.mtp.hindsight = lambda: {"mtp": (3, 4)}
+    assert d.hindsight() == {"mtp": (3, 4)}  # asking turns the index's judging on
+    d.ngram.accept([3, 9])  # 3 after 1 2: the copy's; 9 after 2 3: not (it copies 1)
+    assert d.hindsight() == {"mtp": (3, 4), "ngram": (1, 2)}

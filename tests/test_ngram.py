@@ -81,3 +81,47 @@ def test_incremental_index_equals_brute_force(tokens, split, k, max_ngram):
     d = drafter(tokens[:split], max_ngram)
     d.accept(tokens[split:])
     assert d.draft(k) == brute_force(tokens, k, max_ngram)
+
+
+def _brute_first_token(history, max_ngram):
+    """What ``draft(1)`` copies after ``history`` (None: no match), by scan."""
+    for n in range(min(max_ngram, len(history) - 1), 1, -1):
+        suffix = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == suffix:
+                return history[start + n]
+    return None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 4), min_size=2, max_size=60),
+    split=st.integers(1, 20),
+    step=st.integers(1, 5),
+)
+def test_hindsight_judges_each_accepted_token_as_a_copy_would_have(tokens, split, step):
+    """Once asked, each accepted token counts a trial where the index had a
+    match before it, a hit where the copy's first token was that token;
+    nothing is counted before the first call."""
+    split = min(split, len(tokens) - 1)
+    d = drafter(tokens[:split])
+    d.accept(tokens[split : split + 1])  # before the first call: not judged
+    assert d.hindsight() == {}
+    rest, want = tokens[split + 1 :], [0, 0]
+    for i, t in enumerate(rest):
+        guess = _brute_first_token(tokens[: split + 1 + i], 3)
+        want[0] += guess == t
+        want[1] += guess is not None
+    for i in range(0, len(rest), step):
+        d.accept(rest[i : i + step])
+    assert d.hindsight() == ({None: tuple(want)} if want[1] else {})
+    assert d.hindsight() == {}  # taken
+
+
+def test_hindsight_of_repeating_text_is_all_hits():
+    d = drafter([1, 2, 3, 4, 5])
+    d.hindsight()
+    d.accept([1, 2, 3, 4, 5, 1, 2])  # 1, 2: after 4 5 and 5 1, seen nowhere
+    assert d.hindsight() == {None: (5, 5)}
+    d.accept([9, 8, 1, 2, 7])  # 9 and 7 come after 1 2, which copies 3 then 9
+    assert d.hindsight() == {None: (0, 2)}

@@ -48,6 +48,25 @@ def test_first_drafts_judged_in_hindsight_switch_drafting_back_on():
     assert bad.choose(8) == 0 and bad.acceptance()[0] < 0.1
 
 
+def test_first_drafts_judged_in_hindsight_stand_in_for_probes():
+    """A source switched off is judged in hindsight every pass (poorly): it
+    is never probed, and its next pass is known to be plain. Control: the
+    same policy without the judging probes after ``probe_every`` passes."""
+    costs = [1e-3 * (1 + 0.3 * t) for t in range(9)]
+    judged, control = (_switched_off(DraftLengthPolicy(costs)) for _ in range(2))
+    ks = {"judged": [], "control": []}
+    plain = []
+    for _ in range(3 * control.probe_every):
+        judged.observe_hindsight(0, 2)
+        plain.append(judged.next_is_plain())
+        for name, policy in (("judged", judged), ("control", control)):
+            k = policy.choose(8)
+            policy.update(k, 0)
+            ks[name].append(k)
+    assert ks["judged"] == [0] * len(plain) and all(plain)
+    assert any(ks["control"])
+
+
 class _JudgingDrafter:
     def __init__(self, evidence):
         self.evidence, self.paying = evidence, {}

@@ -247,9 +247,11 @@ class DraftLengthPolicy:
     def observe_hindsight(self, hits: int, trials: int):
         """``trials`` first drafts judged without a verify pass, ``hits`` of
         them right: evidence for the first position, as from ``trials``
-        one-draft passes (each decaying the older evidence)."""
+        one-draft passes (each decaying the older evidence). They count as a
+        probe: the next one waits ``probe_every`` passes at k = 0 again."""
         if trials <= 0:
             return
+        self.passes_at_zero = 0
         decay = _DECAY**trials
         weight = (1 - decay) / (1 - _DECAY)  # sum of the trials' decayed weights
         self.accepted[0] = self.accepted[0] * decay + weight * hits / trials

@@ -22,9 +22,10 @@ required; the rest have defaults that a simple drafter never touches:
 - ``draft_source(k, look)``: the name of the source that drafts next (``mtp``:
   the MTP head, ``ngram``: a copy; ``mtp+ngram`` switches between them);
   ``auto`` keeps a draft-length policy per source.
-- ``hindsight()``: per source, ``(hits, trials)``: first drafts judged without
-  being verified (what the drafter would have drafted against the token the
-  target then chose), since the last call; ``auto`` learns from them.
+- ``hindsight()``: per source (None: a one-source drafter's), ``(hits,
+  trials)``: first drafts judged without being verified (what the drafter
+  would have drafted against the token the target then chose), since the
+  last call; ``auto`` learns from them, and they count as its probes.
 - ``set_source_paying(source, paying)``: ``auto`` says whether drafting from
   ``source`` pays now, so a drafter need not run that source just to choose
   between its sources.
@@ -71,7 +72,7 @@ class Drafter:
         deferred work to answer exactly); None by default (an unnamed one)."""
         return None
 
-    def hindsight(self) -> Dict[str, Tuple[int, int]]:
+    def hindsight(self) -> Dict[Optional[str], Tuple[int, int]]:
         """No first drafts judged in hindsight by default."""
         return {}
 

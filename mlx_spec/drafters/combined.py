@@ -82,7 +82,9 @@ class MTPNgramDrafter(Drafter):
         self.mtp.catch_up()
 
     def hindsight(self):
-        return self.mtp.hindsight()
+        judged = self.mtp.hindsight()
+        copies = self.ngram.hindsight().get(None)
+        return {**judged, "ngram": copies} if copies else judged
 
     def set_source_paying(self, source: str, paying: bool):
         if source == "mtp":

@@ -4,6 +4,11 @@ The index maps every n-gram (2 <= n <= max_ngram) of the token history to the
 position right after its most recent occurrence. It is updated incrementally as
 tokens are appended (O(max_ngram) per token), so a lookup never scans the
 history. The history is the prompt and every token generated so far.
+
+Once asked for ``hindsight()`` (``auto`` asks), every accepted token is also
+judged: had a pass started just before it, would the copy's first token have
+been it? A dictionary lookup per token, so ``auto`` learns the copies'
+first-position acceptance without verifying drafts (nor probing).
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -24,11 +29,14 @@ class NgramDrafter(Drafter):
         self.max_ngram = max_ngram
         self.tokens: List[int] = []
         self._next: Dict[Tuple[int, ...], int] = {}
+        self._judging = False  # judge accepted tokens in hindsight (once asked)
+        self._judged = [0, 0]  # hits, trials since the last hindsight()
 
     def reset(self, prompt: Sequence[int], hidden=None):
         """Start a new history from the prompt tokens."""
         self.tokens = []
         self._next = {}
+        self._judged = [0, 0]
         self.extend(prompt)
 
     def extend(self, tokens: Sequence[int]):
@@ -47,7 +55,21 @@ class NgramDrafter(Drafter):
 
     def accept(self, tokens: Sequence[int], hidden=None):
         """Record the tokens a verify step emitted."""
-        self.extend(tokens)
+        for t in tokens:
+            if self._judging:  # a copied first token was verified too: no matter
+                start = self.match()[1]
+                if start is not None:
+                    self._judged[0] += self.tokens[start] == t
+                    self._judged[1] += 1
+            self.extend((t,))
+
+    def hindsight(self) -> Dict[Optional[str], Tuple[int, int]]:
+        """``{None: (hits, trials)}``: of the tokens accepted since the last
+        call with a match before them, how many the copy's first token
+        equalled (None: this drafter's one source)."""
+        self._judging = True
+        (hits, trials), self._judged = self._judged, [0, 0]
+        return {None: (hits, trials)} if trials else {}
 
     def match(self) -> Tuple[int, Optional[int]]:
         """(n, start): the longest suffix n-gram seen before and where its
