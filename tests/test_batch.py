@@ -8,6 +8,7 @@ from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.core.sampling import Sampler, make_sampler
 from mlx_spec.drafters import make_drafter
+from mlx_spec.drafters.base import Drafter
 from mlx_spec.mlx_lm_compat import make_prompt_cache
 from mlx_spec.testing.distributions import (
     discriminating_prompt,
@@ -340,3 +341,42 @@ def test_a_row_drafting_a_fixed_length_queues_nothing(models):
             rows[b] += tokens
         queued.append(batch.queued)
     assert rows == want and not any(queued)
+
+
+class _NeverRightDrafter(Drafter):
+    """Drafts the token after the one the target last chose (on these
+    models, hardly ever its next choice); with ``judged``, reports one first
+    draft judged wrong in hindsight before every pass."""
+
+    def __init__(self, judged: bool):
+        self.judged, self.last = judged, 0
+
+    def reset(self, prompt, hidden=None):
+        self.last = prompt[-1]
+
+    def accept(self, tokens, hidden=None):
+        self.last = tokens[-1]
+
+    def draft(self, k):
+        return [(self.last + 1) % 256] * k
+
+    def hindsight(self):
+        return {None: (0, 1)} if self.judged else {}
+
+
+@pytest.mark.parametrize("judged", [True, False])
+def test_rows_judged_in_hindsight_are_not_probed(models, judged):
+    """Once drafting stops, auto rows whose drafts are judged in hindsight
+    every pass are never probed; control: without judgements the batch
+    probes now and then."""
+    model, tok = models["qwen3_next"]
+    batch = BatchDecoder(model, n_slots=2, max_draft=4)
+    for seed in (1, 2):
+        d = joined(model, prompts("mixed", seed=seed), _NeverRightDrafter(judged))
+        batch.add(d, 150, verify_costs=[0.01 + 0.002 * t for t in range(9)])
+    drafted = []
+    while batch.active:
+        before = sum(r.decoder.stats.drafted for r in batch.rows)
+        batch.step()
+        drafted.append(sum(r.decoder.stats.drafted for r in batch.rows) - before)
+    assert (sum(map(bool, drafted[40:])) == 0) == judged, drafted

@@ -297,7 +297,7 @@ class BatchDecoder:
         may: the pass computes every row over the same ``1 + longest``
         positions, so those drafts cost nothing. A head row's would not:
         each of its drafts is a head step."""
-        ks, caps, auto, heads = {}, {}, [], set()
+        ks, caps, auto, heads, judged = {}, {}, [], set(), 0
         for b in active:
             row = self.rows[b]
             room = min(row.max_draft, row.remaining - 1)
@@ -307,7 +307,7 @@ class BatchDecoder:
             caps[b] = room if row.policy is None else min(room, row.decoder.max_draft)
             # its source (heads are caught up later, together)
             if row.policy is not None:
-                row.policy.exchange(row.decoder.drafter)
+                judged += row.policy.exchange(row.decoder.drafter)
             source = row.decoder.draft_source(caps[b], look=False)
             head = head_drafter(row.decoder.drafter)
             if head is not None and (source == "mtp" or head is row.decoder.drafter):
@@ -323,6 +323,8 @@ class BatchDecoder:
             room = min(row.max_draft, row.remaining - 1)
             ks[b] = row.policy.active.choose(room, len(row.decoder.history))
         elif auto:
+            if judged:  # as for one sequence, judgements stand in for probes
+                self.lengths.passes_at_zero = 0
 
             def group(with_head: bool):
                 return [

@@ -313,16 +313,20 @@ class SourcePolicies:
         source is not known before its input token is."""
         return all(p.next_is_plain() for p in self.by_source.values())
 
-    def exchange(self, drafter):
+    def exchange(self, drafter) -> int:
         """Learn from the first drafts ``drafter`` judged in hindsight, then
         tell it which sources pay now: those whose policy drafts or probes at
-        its next choice (a source without a policy yet does)."""
+        its next choice (a source without a policy yet does). Returns how
+        many drafts were judged."""
+        judged = 0
         if drafter is not None:
             for source, (hits, trials) in drafter.hindsight().items():
                 self._of(source).observe_hindsight(hits, trials)
+                judged += trials
             for source, policy in self.by_source.items():
                 if source is not None:
                     drafter.set_source_paying(source, not policy.next_is_plain())
+        return judged
 
     def update(self, *args):
         self.active.update(*args)
