@@ -142,6 +142,7 @@ class GDNSlotCache(ArraysCache):
         self.cache = [mx.concatenate([a, n]) for a, n in zip(self.cache, new)]
 
     def remove_row(self, b: int):
+        """Drop row ``b`` (the last one leaves the shapes unset again)."""
         if self.cache[0] is not None and self.cache[0].shape[0] == 1:
             self.cache = [None, None]  # empty: the next row sets the shapes
         elif self.cache[0] is not None:
