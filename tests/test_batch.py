@@ -211,6 +211,26 @@ def test_memory_flat_with_slots_cycling(tmp_path):
     assert readings[-1] - readings[1] < (1 << 20), readings
 
 
+def test_memory_flat_with_plain_passes_queued(models):
+    """Rows without drafters (every pass queued ahead) cycle through two
+    slots; active memory with the batch empty does not grow."""
+    model, _ = models["qwen3_next"]
+    batch = BatchDecoder(model, n_slots=2, max_draft=4)
+    readings = []
+    for round in range(5):
+        ids = {}
+        for i in range(2):
+            prompt = prompts("mixed", seed=10 * round + i)
+            ids[batch.add(joined(model, prompt, None), 120)] = []
+        run(batch, ids)
+        assert batch.queued is False and all(len(t) == 120 for t in ids.values())
+        for id in ids:
+            batch.take(id)
+        mx.eval([])
+        readings.append(mx.get_active_memory())
+    assert readings[-1] - readings[1] < (1 << 20), readings
+
+
 def test_a_long_sequence_joins_a_batch_of_short_ones(models, family):
     """Joining grows every row's attention buffers past their capacity."""
     model, tok = models[family]
