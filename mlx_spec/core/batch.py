@@ -274,11 +274,12 @@ class BatchDecoder:
         choices = mx.concatenate(
             [row.sampler(logprobs[b]) for b, row in enumerate(self.rows)]
         )  # [B]
+        mx.async_eval(choices, logprobs)  # its own wait: this pass only
         self._commit_caches([1] * len(self.rows), 1)
         for c in self.gdn:
             c.capturing = True
         self._queued = self.target.forward_rows(choices[:, None])
-        mx.async_eval(choices, logprobs, *(a for a in self._queued if a is not None))
+        mx.async_eval(*(a for a in self._queued if a is not None))
         return choices.tolist()
 
     def _unqueue(self):

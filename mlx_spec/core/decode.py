@@ -175,8 +175,9 @@ class SpeculativeDecoder:
         logprobs = _score(logits, seen, draft, processors)
         if queue_plain and not len(draft) and not processors:
             choice = sampler(logprobs)  # [1], lazy
+            mx.async_eval(choice, logprobs)  # its own wait: this pass only
             self._queued = self._plain_forward(choice)
-            mx.async_eval(choice, logprobs, *(a for a in self._queued if a is not None))
+            mx.async_eval(*(a for a in self._queued if a is not None))
             n, token = 0, choice.item()  # the host waits here, the device goes on
         else:
             q = self.drafter.draft_probs if len(draft) else None
