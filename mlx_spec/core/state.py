@@ -94,6 +94,8 @@ class GDNSlotCache(ArraysCache):
         self.capturing = False
         T, conv_input, pre_state, saved = self._pass
         self._pass = None
+        if not isinstance(n, int) and len(set(n)) == 1:
+            n = n[0]  # every row keeps as many: one pick for the batch
         if isinstance(n, int):
             if n < T:
                 self[0], self[1] = self._rows_after(n, conv_input, pre_state, saved)
