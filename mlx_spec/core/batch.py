@@ -231,7 +231,7 @@ class BatchDecoder:
         if plain is None:  # else committed before the next pass was queued
             self._commit_caches(kept, T)
         # A pass that queued the next one without running its own queued
-        # forward, or the reverse, timed two forwards or none.
+        # forward, or the reverse, did not time one forward (see decode.py).
         if self.lengths is not None and (queued is None) == (plain is None):
             elapsed = time.perf_counter() - tic
             self.lengths.observe(B, T, elapsed, head_steps, catch_up)

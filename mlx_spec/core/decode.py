@@ -74,9 +74,10 @@ class SpeculativeDecoder:
         self.drafted, self.draft_seconds = 0, 0.0
         self._verified = None  # (drafted, accepted, hidden) until commit
         self._queued = None  # (logits, hidden) of a plain pass queued ahead
-        # Whether the last pass's wall time holds two forwards or none: it
-        # queued the next one's without running its own queued forward, or
-        # the reverse (the ends of a run of queued passes).
+        # Whether the last pass's wall time is not one forward's: it queued
+        # the next one without running its own queued forward (it also built
+        # the next graph), or the reverse (its forward started a pass early):
+        # the ends of a run of queued passes.
         self.timed_unfairly = False
 
     def _quantize(self):
