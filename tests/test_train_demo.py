@@ -296,3 +296,29 @@ def test_extra_cycles_are_a_list_and_an_int_is_one_cycle():
     assert get_config("tiny", mtp_extra_steps=[300, 700]).mtp_extra_steps == (300, 700)
     assert get_config("tiny", mtp_extra_steps=300).mtp_extra_steps == (300,)
     assert get_config("tiny", mtp_extra_steps=0).mtp_extra_steps == ()
+
+
+def test_repeated_share_counts_windows_seen_before():
+    from evaluate import repeated_share
+
+    assert repeated_share(list(range(40))) == 0.0
+    # period 10: of the 25 windows of 16 tokens, those from index 10 on repeat
+    assert repeated_share(list(range(10)) * 4) == 15 / 25
+
+
+def test_loop_shares_tell_looping_code_from_plain_code(tiny_build):
+    from evaluate import loop_shares
+
+    _, out, _ = tiny_build
+    model, tok = mlx_spec.load(out)
+    plain = "def plain(a, b):\n" + "".join(
+        f"    v{i} = a * {i} + b - {i * 7}\n" for i in range(8)
+    )
+    looping = "def looping(a):\n" + "    a = a + 1\n    a = a * 2\n" * 8
+    held = {"plain.py": plain, "looping.py": looping + "\n"}
+    res = loop_shares(model, tok, held, n=5, max_tokens=48)
+    assert res["prompts"] == 2
+    assert res["code"]["looping"] == 1
+    assert 0.0 < res["code"]["mean_share"] < 1.0
+    assert 0.0 <= res["model"]["mean_share"] <= 1.0
+    assert 0 <= res["model"]["looping"] <= 2

@@ -20,7 +20,11 @@ checkpoint's ``training.json``):
    for ``ngram``, ``mtp`` and ``mtp+ngram``;
 4. the README's first command: 128 greedy tokens after ``def fibonacci(n):``,
    printed, with the share of its 16-token windows that already occurred
-   earlier in the text (near 1 for a model stuck in a loop).
+   earlier in the text (near 1 for a model stuck in a loop);
+5. loops over many prompts: the same share for 128 greedy tokens after the
+   ``def`` lines of ``--loop-prompts`` held-out functions (each line alone,
+   as a first prompt), against the share of the held-out code that follows
+   each line; "looping" counts the texts whose share exceeds 0.3.
 
 Acceptance per position i is ``stats.accepted_at[i] / stats.drafted_at[i]``
 (the first i+1 drafts all accepted); "conditional" divides by the passes
@@ -190,6 +194,44 @@ def repeated_share(tokens, n: int = 16) -> float:
     return repeats / max(windows, 1)
 
 
+LOOPING_SHARE = 0.3  # a text with more repeated windows than this loops
+
+
+def loop_shares(model, tok, held: dict, n: int, max_tokens: int = 128) -> dict:
+    """Repeated shares of greedy text after ``n`` held-out ``def`` lines and
+    of the code that really follows them (see item 5 above)."""
+    starts = []
+    for name in sorted(held):
+        text = held[name]
+        for _, def_line in functions(text):
+            starts.append((def_line, text[text.find(def_line) :]))
+    model_shares, code_shares = [], []
+    for def_line, code in spread(starts, n):
+        prompt = tok.encode(def_line)
+        out = [
+            r.token
+            for r in mlx_spec.stream_generate(
+                model, tok, def_line, max_tokens=max_tokens, draft="none"
+            )
+        ]
+        model_shares.append(repeated_share(prompt + out))
+        code_shares.append(repeated_share(tok.encode(code)[: len(prompt) + len(out)]))
+    res = {}
+    for name, shares in (("model", model_shares), ("code", code_shares)):
+        res[name] = {
+            "mean_share": float(np.mean(shares)) if shares else 0.0,
+            "looping": sum(x > LOOPING_SHARE for x in shares),
+        }
+    res["prompts"] = len(model_shares)
+    print(
+        f"loops over {res['prompts']} held-out def lines: model mean share "
+        f"{res['model']['mean_share']:.3f}, {res['model']['looping']} looping; the "
+        f"held-out code {res['code']['mean_share']:.3f}, {res['code']['looping']} looping",
+        flush=True,
+    )
+    return res
+
+
 def first_command_sample(model, tok, prompt="def fibonacci(n):", n=128) -> dict:
     out = [
         r.token
@@ -222,6 +264,7 @@ def evaluate(
     n_copy: int = 8,
     ks=(1, 2, 3, 4),
     seed: int = 0,
+    n_loop_prompts: int = 20,
 ) -> dict:
     model_dir = Path(model_dir)
     training = json.loads((model_dir / "training.json").read_text())
@@ -248,6 +291,7 @@ def evaluate(
     )
 
     res["first_command"] = first_command_sample(model, tok)
+    res["loops"] = loop_shares(model, tok, held, n_loop_prompts)
     prompts = code_prompts(held, tok, n_prompts, 320)
     res["code_prompts"] = len(prompts)
     res["mtp"] = []
@@ -283,13 +327,20 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--copies", type=int, default=8)
+    p.add_argument("--loop-prompts", type=int, default=20)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.model is None:
         from mlx_spec.demo import default_model_path
 
         args.model = default_model_path()
-    res = evaluate(args.model, args.prompts, args.max_tokens, args.copies)
+    res = evaluate(
+        args.model,
+        args.prompts,
+        args.max_tokens,
+        args.copies,
+        n_loop_prompts=args.loop_prompts,
+    )
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
     return 0
