@@ -37,7 +37,7 @@ from .verify_profile import verify_cost_profile
 from .ragged_cache import RaggedKVCache
 from .sampling import make_draft_sampler, make_sampler
 from .state import GDNSlotCache
-from .target import Target
+from .target import Target, queue_after
 from .verify import verify_draft
 
 
@@ -274,13 +274,16 @@ class BatchDecoder:
         choices = mx.concatenate(
             [row.sampler(logprobs[b]) for b, row in enumerate(self.rows)]
         )  # [B]
-        mx.async_eval(choices, logprobs)  # its own wait: this pass only
+        self._queued = queue_after(choices, logprobs, lambda: self._start_next(choices))
+        return choices.tolist()
+
+    def _start_next(self, choices: mx.array):
+        """This plain pass committed, the next one's forward over ``choices``
+        [B], capturing (a row may join, leave or stop before it is read)."""
         self._commit_caches([1] * len(self.rows), 1)
         for c in self.gdn:
             c.capturing = True
-        self._queued = self.target.forward_rows(choices[:, None])
-        mx.async_eval(*(a for a in self._queued if a is not None))
-        return choices.tolist()
+        return self.target.forward_rows(choices[:, None])
 
     def _unqueue(self):
         """Roll a queued pass back (rows join, leave or stop): no row keeps a

@@ -12,7 +12,7 @@ from .policy import make_policy, most_drafts
 from .sampling import make_draft_sampler, make_sampler
 from .state import SpeculativeCache
 from .stats import PhaseClock, SpecStats
-from .target import Target
+from .target import Target, queue_after
 from .verify import verify_draft
 
 
@@ -176,9 +176,9 @@ class SpeculativeDecoder:
         logprobs = _score(logits, seen, draft, processors)
         if queue_plain and not len(draft) and not processors:
             choice = sampler(logprobs)  # [1], lazy
-            mx.async_eval(choice, logprobs)  # its own wait: this pass only
-            self._queued = self._plain_forward(choice)
-            mx.async_eval(*(a for a in self._queued if a is not None))
+            self._queued = queue_after(
+                choice, logprobs, lambda: self._plain_forward(choice)
+            )
             n, token = 0, choice.item()  # the host waits here, the device goes on
         else:
             q = self.drafter.draft_probs if len(draft) else None

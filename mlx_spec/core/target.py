@@ -29,6 +29,20 @@ def _lm_head(model) -> Optional[Callable[[mx.array], mx.array]]:
     return None
 
 
+def queue_after(token: mx.array, logprobs: mx.array, start_forward: Callable):
+    """Start evaluating a plain pass's ``token`` (and its ``logprobs``), then
+    the forward ``start_forward()`` builds over it; that forward's outputs.
+
+    Two evaluations, the token's first, as mlx-lm's ``generate_step`` does:
+    MLX signals an evaluation's arrays once all of it is done, so the host,
+    waiting for the token, then waits for this pass only while the device
+    goes on with the next forward."""
+    mx.async_eval(token, logprobs)
+    outputs = start_forward()
+    mx.async_eval(*(a for a in outputs if a is not None))
+    return outputs
+
+
 class Target:
     """Runs the target over token blocks on a :class:`SpeculativeCache`.
 
