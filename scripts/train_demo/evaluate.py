@@ -203,8 +203,8 @@ def loop_shares(model, tok, held: dict, n: int, max_tokens: int = 128) -> dict:
     starts = []
     for name in sorted(held):
         text = held[name]
-        for _, def_line in functions(text):
-            starts.append((def_line, text[text.find(def_line) :]))
+        for src, def_line in functions(text):  # a def line may recur: find its body
+            starts.append((def_line, text[text.find(src) :]))
     model_shares, code_shares = [], []
     for def_line, code in spread(starts, n):
         prompt = tok.encode(def_line)
