@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from mlx_spec.core.batch import BatchDecoder
-from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.core.sampling import Sampler, make_sampler
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.base import Drafter
@@ -18,27 +17,13 @@ from mlx_spec.testing.distributions import (
 from mlx_spec.testing.reference import (
     OracleDrafter,
     cache_arrays,
+    fed_decoder,
     prompts,
     reference_tokens,
+    run_batch,
 )
 
 EOS = 399
-
-
-def joined(model, prompt, drafter, max_draft=4):
-    d = SpeculativeDecoder(model, drafter, max_draft=max_draft)
-    d.feed(prompt)
-    return d
-
-
-def run(batch, rows, max_steps=500):
-    """Step until every row is done; ``rows``: slot -> list collecting tokens."""
-    for _ in range(max_steps):
-        if not batch.active:
-            return
-        for b, (tokens, _) in batch.step().items():
-            rows[b] += tokens
-    raise AssertionError("the batch did not finish")
 
 
 def drafter_for(kind, model, prompt, ref):
@@ -63,13 +48,13 @@ def test_each_row_equals_its_decoding_alone(models, family, kinds):
         ref = reference_tokens(model, tok, prompt, max_tokens)
         drafter = None if kind == "none" else drafter_for(kind, model, prompt, ref)
         b = batch.add(
-            joined(model, prompt, drafter, 5),
+            fed_decoder(model, prompt, drafter, 5),
             max_tokens,
             num_draft_tokens=k,
             stop_tokens={EOS},
         )
         rows[b], want[b] = [], ref
-    run(batch, rows)
+    run_batch(batch, rows)
     assert rows == want
 
 
@@ -85,7 +70,7 @@ def test_rows_join_and_leave_between_passes(models, family):
 
     def add(p):
         ref = want[tuple(p)]
-        d = joined(model, p, OracleDrafter(p + ref, error=0.2, seed=3))
+        d = fed_decoder(model, p, OracleDrafter(p + ref, error=0.2, seed=3))
         return batch.add(d, 24, num_draft_tokens=4, stop_tokens={EOS})
 
     got = {}
@@ -98,7 +83,7 @@ def test_rows_join_and_leave_between_passes(models, family):
     left, b_tokens = batch.take(sb), got.pop(sb)
     sc = add(c)
     got[sc] = []
-    run(batch, got)
+    run_batch(batch, got)
     assert got[sa] == want[tuple(a)] and got[sc] == want[tuple(c)]
     # b goes on alone from exactly where the batch left it
     rest = _continue(left, 24 - len(b_tokens))
@@ -121,10 +106,10 @@ def test_a_row_taken_out_holds_plain_decodings_caches(models, family):
     ref = reference_tokens(model, tok, prompt, 13)
     batch = BatchDecoder(model, n_slots=3, max_draft=4)
     other = batch.add(
-        joined(model, prompts("random"), make_drafter("ngram", model)), 30
+        fed_decoder(model, prompts("random"), make_drafter("ngram", model)), 30
     )
     slot = batch.add(
-        joined(model, prompt, OracleDrafter(prompt + ref, error=0.3)),
+        fed_decoder(model, prompt, OracleDrafter(prompt + ref, error=0.3)),
         13,
         num_draft_tokens=4,
     )
@@ -154,7 +139,7 @@ def _batch_samples(model, prompt, sampler, drafter_name):
         batch = BatchDecoder(model, n_slots=2, max_draft=3)
         rows = []
         for p, n in ((prompt, 3), (other, 5)):
-            d = joined(model, p, make_drafter(drafter_name, model), 3)
+            d = fed_decoder(model, p, make_drafter(drafter_name, model), 3)
             rows.append(batch.add(d, n, sampler=sampler, num_draft_tokens=3))
         tokens = []
         while rows[0] in batch.active:
@@ -179,11 +164,26 @@ def test_the_batch_empties_and_fills_again(models, family):
     batch = BatchDecoder(model, n_slots=2, max_draft=3)
     for prompt in ([5, 6, 7], [9], prompts("mixed", seed=6)):
         want = reference_tokens(model, tok, prompt, 6)
-        id = batch.add(joined(model, prompt, make_drafter("ngram", model)), 6)
+        id = batch.add(fed_decoder(model, prompt, make_drafter("ngram", model)), 6)
         got = {id: []}
-        run(batch, got)
+        run_batch(batch, got)
         batch.take(id)
         assert got[id] == want and batch.free == 2
+
+
+def memory_after_rounds(batch, rounds: int, add_row, tokens: int):
+    """Active memory with the batch empty after each round: two rows added
+    by ``add_row(round, i)``, each decoded to ``tokens`` tokens, taken out."""
+    readings = []
+    for round in range(rounds):
+        ids = {add_row(round, i): [] for i in range(2)}
+        run_batch(batch, ids)
+        assert not batch.queued and all(len(t) == tokens for t in ids.values())
+        for id in ids:
+            batch.take(id)
+        mx.eval([])
+        readings.append(mx.get_active_memory())
+    return readings
 
 
 def test_memory_flat_with_slots_cycling(tmp_path):
@@ -195,19 +195,13 @@ def test_memory_flat_with_slots_cycling(tmp_path):
     model, _ = mlx_spec.load(write_cycle_checkpoint(tmp_path / "c", "qwen3_next"))
     order = cycle_order()
     batch = BatchDecoder(model, n_slots=2, max_draft=8)
-    readings = []
-    for round in range(6):
-        ids = {}
-        for i in range(2):
-            prompt = order[10 * i + round : 10 * i + round + 30]
-            d = joined(model, prompt, make_drafter("mtp+ngram", model), 8)
-            ids[batch.add(d, 150, num_draft_tokens=8)] = []
-        run(batch, ids)
-        for id in ids:
-            assert len(ids[id]) == 150
-            batch.take(id)
-        mx.eval([])
-        readings.append(mx.get_active_memory())
+
+    def add_row(round, i):
+        prompt = order[10 * i + round : 10 * i + round + 30]
+        d = fed_decoder(model, prompt, make_drafter("mtp+ngram", model), 8)
+        return batch.add(d, 150, num_draft_tokens=8)
+
+    readings = memory_after_rounds(batch, 6, add_row, 150)
     assert readings[-1] - readings[1] < (1 << 20), readings
 
 
@@ -216,18 +210,12 @@ def test_memory_flat_with_plain_passes_queued(models):
     slots; active memory with the batch empty does not grow."""
     model, _ = models["qwen3_next"]
     batch = BatchDecoder(model, n_slots=2, max_draft=4)
-    readings = []
-    for round in range(5):
-        ids = {}
-        for i in range(2):
-            prompt = prompts("mixed", seed=10 * round + i)
-            ids[batch.add(joined(model, prompt, None), 120)] = []
-        run(batch, ids)
-        assert batch.queued is False and all(len(t) == 120 for t in ids.values())
-        for id in ids:
-            batch.take(id)
-        mx.eval([])
-        readings.append(mx.get_active_memory())
+
+    def add_row(round, i):
+        prompt = prompts("mixed", seed=10 * round + i)
+        return batch.add(fed_decoder(model, prompt, None), 120)
+
+    readings = memory_after_rounds(batch, 5, add_row, 120)
     assert readings[-1] - readings[1] < (1 << 20), readings
 
 
@@ -238,11 +226,11 @@ def test_a_long_sequence_joins_a_batch_of_short_ones(models, family):
     batch = BatchDecoder(model, n_slots=3, max_draft=3)
     got, want = {}, {}
     for p in (short, long):
-        want[batch.add(joined(model, p, make_drafter("ngram", model)), 8)] = (
+        want[batch.add(fed_decoder(model, p, make_drafter("ngram", model)), 8)] = (
             reference_tokens(model, tok, p, 8)
         )
     got = {id: [] for id in want}
-    run(batch, got)
+    run_batch(batch, got)
     assert got == want
 
 
@@ -253,9 +241,11 @@ def _beside_a_row_drafting_five(model, tok, drafter):
     long, short = prompts("mixed", seed=11), prompts("random", seed=12)
     batch = BatchDecoder(model, n_slots=2, max_draft=8)
     sure = OracleDrafter(long + reference_tokens(model, tok, long, 200))
-    batch.add(joined(model, long, sure, 8), 200, num_draft_tokens=5)
+    batch.add(fed_decoder(model, long, sure, 8), 200, num_draft_tokens=5)
     ref = reference_tokens(model, tok, short, 30)
-    row = batch.add(joined(model, short, drafter(short, ref), 8), 30, stop_tokens={EOS})
+    row = batch.add(
+        fed_decoder(model, short, drafter(short, ref), 8), 30, stop_tokens={EOS}
+    )
     got = []
     while row in batch.active:
         got += batch.step().get(row, ([], None))[0]
@@ -298,69 +288,11 @@ def test_a_row_without_a_drafter_decodes_plainly_under_auto(models):
     for prompt, draft in ((prompts("mixed"), None), (prompts("repetitive"), "ngram")):
         ref = reference_tokens(model, tok, prompt, 12)
         drafter = draft and make_drafter(draft, model)
-        d = joined(model, prompt, drafter)
+        d = fed_decoder(model, prompt, drafter)
         b = batch.add(d, 12, num_draft_tokens="auto", stop_tokens={EOS})
         rows[b], want[b] = [], ref
-    run(batch, rows)
+    run_batch(batch, rows)
     assert rows == want
-
-
-def test_plain_passes_are_queued_and_undone_when_rows_change(models, family):
-    """Rows without drafters: each plain pass queues the next one before
-    its tokens are read. A row joining, stopping or leaving while a pass is
-    queued rolls it back: every row's tokens are plain decoding's, and a row
-    taken out holds plain decoding's caches."""
-    model, tok = models[family]
-    a, b, c = prompts("mixed", seed=1), prompts("repetitive", seed=2), [7, 8]
-    want = {tuple(p): reference_tokens(model, tok, p, 20) for p in (a, b, c)}
-    stop = want[tuple(a)][6]  # a stops early, on a token it emits
-    want[tuple(a)] = want[tuple(a)][: want[tuple(a)].index(stop) + 1]
-    batch = BatchDecoder(model, n_slots=3, max_draft=4)
-    got = {}
-
-    def add(p, stops=()):
-        id = batch.add(joined(model, p, None), 20, stop_tokens=stops)
-        got[id] = []
-        return id
-
-    def step():
-        for id, (tokens, _) in batch.step().items():
-            got[id] += tokens
-        return batch.queued
-
-    sa, sb = add(a, {stop}), add(b)
-    assert [step() for _ in range(3)] == [True] * 3
-    sc = add(c)  # joins while a pass is queued
-    while sa in batch.active:
-        step()
-    batch.take(sa)  # a stopped: the pass queued with it was undone
-    assert step()
-    left, n = batch.take(sb), len(got[sb])  # b leaves while one is queued
-    run(batch, got)
-    assert got[sa] == want[tuple(a)] and got[sc] == want[tuple(c)]
-    left.flush()
-    plain = make_prompt_cache(model)
-    assert got[sb] == reference_tokens(model, tok, b, n, prompt_cache=plain)
-    for x, y in zip(cache_arrays(left.cache.caches), cache_arrays(plain)):
-        assert x.shape == y.shape and mx.array_equal(x, y).item()
-
-
-def test_a_row_drafting_a_fixed_length_queues_nothing(models):
-    """Control: beside a row with a fixed draft length (whose next pass may
-    draft), no pass is queued."""
-    model, tok = models["qwen3_next"]
-    batch = BatchDecoder(model, n_slots=2, max_draft=4)
-    rows, want = {}, {}
-    for prompt, draft in ((prompts("mixed"), None), (prompts("random"), "ngram")):
-        d = joined(model, prompt, draft and make_drafter(draft, model))
-        rows[batch.add(d, 12, num_draft_tokens=3)] = []
-        want[len(rows) - 1] = reference_tokens(model, tok, prompt, 12)
-    queued = []
-    while batch.active:
-        for b, (tokens, _) in batch.step().items():
-            rows[b] += tokens
-        queued.append(batch.queued)
-    assert rows == want and not any(queued)
 
 
 class _NeverRightDrafter(Drafter):
@@ -392,7 +324,7 @@ def test_rows_judged_in_hindsight_are_not_probed(models, judged):
     model, tok = models["qwen3_next"]
     batch = BatchDecoder(model, n_slots=2, max_draft=4)
     for seed in (1, 2):
-        d = joined(model, prompts("mixed", seed=seed), _NeverRightDrafter(judged))
+        d = fed_decoder(model, prompts("mixed", seed=seed), _NeverRightDrafter(judged))
         batch.add(d, 150, verify_costs=[0.01 + 0.002 * t for t in range(9)])
     drafted = []
     while batch.active:

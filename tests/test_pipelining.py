@@ -1,14 +1,23 @@
-"""A queued plain pass: its token is evaluated on its own, before the
+"""Plain passes queued ahead. Their token is evaluated on its own, before the
 forward queued over it, so the host's wait for the token ends with this pass
 (one evaluation of both would hold the host until the next forward is done
-too, and host and device would take turns)."""
+too, and host and device would take turns); in a batch, rows that join, stop
+or leave while a pass is queued roll it back."""
 
 import mlx.core as mx
 
 from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.core.sampling import make_sampler
-from mlx_spec.testing.reference import prompts
+from mlx_spec.drafters import make_drafter
+from mlx_spec.mlx_lm_compat import make_prompt_cache
+from mlx_spec.testing.reference import (
+    cache_arrays,
+    fed_decoder,
+    prompts,
+    reference_tokens,
+    run_batch,
+)
 
 
 def _record_async_evals(monkeypatch):
@@ -49,10 +58,66 @@ def test_batch_evaluates_the_tokens_apart(models, monkeypatch):
     model, _ = models["qwen3_next"]
     batch = BatchDecoder(model, n_slots=2, max_draft=4)
     for seed in (1, 2):
-        d = SpeculativeDecoder(model, None, max_draft=4)
-        d.feed(prompts("mixed", seed=seed))
-        batch.add(d, 8)
+        batch.add(fed_decoder(model, prompts("mixed", seed=seed), None), 8)
     calls = _record_async_evals(monkeypatch)
     batch.step()
     assert batch.queued, "the next plain pass was not queued"
     assert _token_evaluated_apart(calls, batch._queued), calls
+
+
+def test_plain_passes_are_queued_and_undone_when_rows_change(models, family):
+    """Rows without drafters: each plain pass queues the next one before
+    its tokens are read. A row joining, stopping or leaving while a pass is
+    queued rolls it back: every row's tokens are plain decoding's, and a row
+    taken out holds plain decoding's caches."""
+    model, tok = models[family]
+    a, b, c = prompts("mixed", seed=1), prompts("repetitive", seed=2), [7, 8]
+    want = {tuple(p): reference_tokens(model, tok, p, 20) for p in (a, b, c)}
+    stop = want[tuple(a)][6]  # a stops early, on a token it emits
+    want[tuple(a)] = want[tuple(a)][: want[tuple(a)].index(stop) + 1]
+    batch = BatchDecoder(model, n_slots=3, max_draft=4)
+    got = {}
+
+    def add(p, stops=()):
+        id = batch.add(fed_decoder(model, p, None), 20, stop_tokens=stops)
+        got[id] = []
+        return id
+
+    def step():
+        for id, (tokens, _) in batch.step().items():
+            got[id] += tokens
+        return batch.queued
+
+    sa, sb = add(a, {stop}), add(b)
+    assert [step() for _ in range(3)] == [True] * 3
+    sc = add(c)  # joins while a pass is queued
+    while sa in batch.active:
+        step()
+    batch.take(sa)  # a stopped: the pass queued with it was undone
+    assert step()
+    left, n = batch.take(sb), len(got[sb])  # b leaves while one is queued
+    run_batch(batch, got)
+    assert got[sa] == want[tuple(a)] and got[sc] == want[tuple(c)]
+    left.flush()
+    plain = make_prompt_cache(model)
+    assert got[sb] == reference_tokens(model, tok, b, n, prompt_cache=plain)
+    for x, y in zip(cache_arrays(left.cache.caches), cache_arrays(plain)):
+        assert x.shape == y.shape and mx.array_equal(x, y).item()
+
+
+def test_a_row_drafting_a_fixed_length_queues_nothing(models):
+    """Control: beside a row with a fixed draft length (whose next pass may
+    draft), no pass is queued."""
+    model, tok = models["qwen3_next"]
+    batch = BatchDecoder(model, n_slots=2, max_draft=4)
+    rows, want = {}, {}
+    for prompt, draft in ((prompts("mixed"), None), (prompts("random"), "ngram")):
+        d = fed_decoder(model, prompt, draft and make_drafter(draft, model))
+        rows[batch.add(d, 12, num_draft_tokens=3)] = []
+        want[len(rows) - 1] = reference_tokens(model, tok, prompt, 12)
+    queued = []
+    while batch.active:
+        for b, (tokens, _) in batch.step().items():
+            rows[b] += tokens
+        queued.append(batch.queued)
+    assert rows == want and not any(queued)

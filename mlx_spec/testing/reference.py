@@ -6,6 +6,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..core.decode import SpeculativeDecoder
 from ..generate import stream_generate
 from ..mlx_lm_compat import ArraysCache, plain_stream_generate
 
@@ -138,3 +139,21 @@ def cache_nbytes(caches) -> int:
         if not isinstance(c, ArraysCache)
         for a in _leaves([c.keys, c.values])
     )
+
+
+def fed_decoder(model, prompt: Sequence[int], drafter, max_draft: int = 4):
+    """A single-sequence decoder fed ``prompt``: ready to join a batch."""
+    decoder = SpeculativeDecoder(model, drafter, max_draft=max_draft)
+    decoder.feed(prompt)
+    return decoder
+
+
+def run_batch(batch, rows: dict, max_steps: int = 500):
+    """Step ``batch`` until every row is done; ``rows``: id -> list that
+    collects the row's tokens."""
+    for _ in range(max_steps):
+        if not batch.active:
+            return
+        for b, (tokens, _) in batch.step().items():
+            rows[b] += tokens
+    raise AssertionError("the batch did not finish")
