@@ -322,3 +322,12 @@ def test_loop_shares_tell_looping_code_from_plain_code(tiny_build):
     assert 0.0 < res["code"]["mean_share"] < 1.0
     assert 0.0 <= res["model"]["mean_share"] <= 1.0
     assert 0 <= res["model"]["looping"] <= 2
+
+
+@pytest.mark.parametrize("flag", ["--loop-prompts", "--prompts", "--copies"])
+def test_evaluate_refuses_a_count_below_one_by_name(flag, capsys):
+    from evaluate import main
+
+    with pytest.raises(SystemExit):
+        main([flag, "0"])
+    assert f"{flag} must be at least 1, got 0" in capsys.readouterr().err

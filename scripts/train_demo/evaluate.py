@@ -330,6 +330,10 @@ def main(argv=None) -> int:
     p.add_argument("--loop-prompts", type=int, default=20)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    for name in ("prompts", "max_tokens", "copies", "loop_prompts"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            p.error(f"{flag} must be at least 1, got {getattr(args, name)}")
     if args.model is None:
         from mlx_spec.demo import default_model_path
 
