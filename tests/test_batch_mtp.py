@@ -37,9 +37,11 @@ def _equal(a, b) -> bool:
     return a.shape == b.shape and mx.array_equal(a, b).item()
 
 
-def test_each_row_drafts_what_it_drafts_alone(models, family):
+@pytest.mark.parametrize("window", [None, 16])  # 16: shorter than most contexts
+def test_each_row_drafts_what_it_drafts_alone(models, family, window, monkeypatch):
     model, _ = models[family]
     head, rng = model.mtp_head, random.Random(0)
+    monkeypatch.setattr(head, "attention_window", window)
     mx.random.seed(0)
     pairs = _twins(head, rng)
     batch = MTPBatch(head)

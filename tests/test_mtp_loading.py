@@ -150,9 +150,35 @@ def test_config_mtp_num_hidden_layers_with_or_without(tmp_path, family):
         load_with(2)
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_config_mtp_attention_window(tmp_path, family):
+    """The head attends to every position unless the config declares the
+    window it was trained on; a bad value is refused naming it."""
+    raw = write_tiny_checkpoint(tmp_path / "raw", family)
+    config_file = raw / "config.json"
+    config = json.loads(config_file.read_text())
+    text = config.get("text_config", config)
+
+    def window_of(value):
+        text["mtp_attention_window"] = value
+        config_file.write_text(json.dumps(config))
+        head = mlx_spec.load(raw)[0].mtp_head
+        return head.attention_window, head.make_cache()[0].window
+
+    assert mlx_spec.load(raw)[0].mtp_head.attention_window is None
+    assert window_of(300) == (300, 300)
+    for bad in (0, -1, 2.5, "512", True):
+        with pytest.raises(MTPWeightsError, match=f"mtp_attention_window={bad!r}"):
+            window_of(bad)
+
+
 def test_demo_config_declares_its_head():
     from mlx_spec.demo import default_model_path
 
     config = json.loads((default_model_path() / "config.json").read_text())
+    training = json.loads((default_model_path() / "training.json").read_text())
     assert config["mtp_num_hidden_layers"] == 1
-    assert mlx_spec.load(default_model_path())[0].mtp_head is not None
+    # its head attends as far back as it was trained to
+    assert config["mtp_attention_window"] == training["config"]["seq_len"]
+    head = mlx_spec.load(default_model_path())[0].mtp_head
+    assert head.attention_window == training["config"]["seq_len"]

@@ -56,7 +56,7 @@ class MTPBatch:
     def join(self, mtp: MTPDrafter):
         """Move ``mtp``'s head cache in; the batch now runs its head."""
         if not self.caches:
-            self.caches = [RaggedKVCache(c.dtype) for c in mtp.cache]
+            self.caches = [RaggedKVCache(c.dtype, c.window) for c in mtp.cache]
         for mine, theirs in zip(self.caches, mtp.cache):
             mine.append_row(theirs)
         self._own[id(mtp)], mtp.cache = mtp.cache, None  # misuse fails loudly

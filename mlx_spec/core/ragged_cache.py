@@ -13,20 +13,25 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from ..models.mtp.head import attention_start, window_mask
+
 
 class RaggedKVCache:
     """Row ``b`` occupies positions ``[0, offsets[b])`` of ``[B, H, L, D]``
     buffers; a pass writes each row's ``T`` new positions after its own.
 
     ``dtype``: the stored dtype (None: the incoming keys'); keys and values
-    come back in the incoming dtype, as from the MTP head's float16 cache."""
+    come back in the incoming dtype, as from the MTP head's float16 cache.
+    ``window``: each position attends to its last ``window`` (None: all),
+    as in the head's own :class:`~mlx_spec.models.mtp.MTPKVCache`."""
 
     step = 256
 
-    def __init__(self, dtype: Optional[mx.Dtype] = None):
+    def __init__(self, dtype: Optional[mx.Dtype] = None, window: Optional[int] = None):
         self.keys = self.values = None
         self.offsets: List[int] = []
         self.dtype = dtype
+        self.window = window
 
     @property
     def offset(self) -> mx.array:
@@ -52,6 +57,7 @@ class RaggedKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         # keys, values: [B, H, T, D] -> the buffers up to the longest row
         T, dt = keys.shape[2], keys.dtype
+        start = attention_start(min(self.offsets), self.window)
         end = max(self.offsets) + T
         self._reserve(end, keys)
         if self.dtype is not None:
@@ -66,15 +72,22 @@ class RaggedKVCache:
             self.keys = mx.put_along_axis(self.keys, at, keys, axis=2)
             self.values = mx.put_along_axis(self.values, at, values, axis=2)
         self.offsets = [o + T for o in self.offsets]
-        k, v = self.keys[..., :end, :], self.values[..., :end, :]
+        k, v = self.keys[..., start:end, :], self.values[..., start:end, :]
         if self.dtype is not None:
             k, v = k.astype(dt), v.astype(dt)
         return k, v
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         """[B, 1, N, L]: query t of row b sees positions ``<= offsets[b] + t``
-        (rows at the same offset: mlx-lm's own causal mask, as one sequence)."""
-        if len(set(self.offsets)) == 1 and not return_array:
+        (rows at the same offset: mlx-lm's own causal mask, as one sequence),
+        and with a ``window`` no further back than its last ``window``."""
+        same = len(set(self.offsets)) == 1
+        if self.window is not None and max(self.offsets) + N > self.window:
+            if N == 1 and same:
+                return None  # the fetched rows are exactly each row's window
+            start = attention_start(min(self.offsets), self.window)
+            return window_mask(self.offsets, N, start, self.window)
+        if same and not return_array:
             return "causal" if N > 1 else None
         offsets = mx.array(self.offsets)[:, None, None, None]
         query = mx.arange(N)[None, None, :, None]

@@ -158,7 +158,7 @@ class MTPDrafter(Drafter):
 
     def reset(self, prompt_tokens: Sequence[int], hidden: Optional[mx.array]):
         """prompt_tokens: [N]; hidden: [N-1, H] for x_0..x_{N-2} (None if N == 1)."""
-        self.cache = self.head.make_cache()
+        self.cache = self.head.make_cache()  # its window: head.attention_window
         self._pending, self._judged = [], []
         self.last_draft_logits = None
         self._logits = self._hm = None

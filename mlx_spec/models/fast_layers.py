@@ -71,22 +71,23 @@ def _is_mtp_cache(cache) -> bool:
 
 def _stored_rows(cache, keys, values):
     """The MTP cache's stored (float16) rows for the keys/values that its
-    ``update_and_fetch`` just returned upcast; those when the buffer does
-    not line up. Only the stored rows enter the graph then, so MLX never
-    computes the upcast copies."""
+    ``update_and_fetch`` just returned upcast (its last rows: all of them, or
+    a window); those when the buffer does not line up. Only the stored rows
+    enter the graph then, so MLX never computes the upcast copies."""
     k, v = cache.keys, cache.values
     n = cache.offset
     if (
         k is None
         or v is None
-        or n != keys.shape[2]
+        or n < keys.shape[2]
         or k.shape[:2] != keys.shape[:2]
         or k.shape[3:] != keys.shape[3:]
         or v.shape[:2] != values.shape[:2]
         or v.shape[3:] != values.shape[3:]
     ):
         return keys, values
-    return k[..., :n, :], v[..., :n, :]
+    start = n - keys.shape[2]
+    return k[..., start:n, :], v[..., start:n, :]
 
 
 def scaled_dot_product_attention(

@@ -104,6 +104,9 @@ class DemoConfig:
         cfg["bos_token_id"] = eos_token_id
         cfg["eos_token_id"] = eos_token_id
         cfg["mtp_num_hidden_layers"] = 1  # as released configs declare the head
+        # The head saw windows of seq_len positions in training; at longer
+        # contexts it drafts better (and cheaper) attending to no more.
+        cfg["mtp_attention_window"] = self.seq_len
         return dict(sorted(cfg.items()))
 
     def to_json(self) -> str:

@@ -163,6 +163,7 @@ def attach_mtp_head(
         else:
             weights, bits, group_size, source = found
             head = build_head(args, model_type, weights, source, bits, group_size)
+            head.attention_window = declared_attention_window(Path(model_dir))
             head.bind(model)
             if not lazy:
                 mx.eval(head.parameters())
@@ -173,13 +174,17 @@ def attach_mtp_head(
     return head
 
 
-def declared_mtp_layers(model_dir: Path) -> Optional[int]:
-    """``mtp_num_hidden_layers`` of the config (top level, or ``text_config``
-    for Qwen3.5); None when the config does not say (then the checkpoint's
-    ``mtp.*`` tensors decide). More than one layer is refused."""
+def _mtp_setting(model_dir: Path, key: str):
+    """``key`` of the config (top level, or ``text_config`` for Qwen3.5)."""
     config = load_config(model_dir)
-    text = config.get("text_config", config)
-    value = text.get("mtp_num_hidden_layers", config.get("mtp_num_hidden_layers"))
+    return config.get("text_config", config).get(key, config.get(key))
+
+
+def declared_mtp_layers(model_dir: Path) -> Optional[int]:
+    """``mtp_num_hidden_layers`` of the config; None when the config does not
+    say (then the checkpoint's ``mtp.*`` tensors decide). More than one layer
+    is refused."""
+    value = _mtp_setting(model_dir, "mtp_num_hidden_layers")
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -191,6 +196,21 @@ def declared_mtp_layers(model_dir: Path) -> Optional[int]:
         raise MTPWeightsError(
             f"{model_dir}/config.json: mtp_num_hidden_layers={value}; only one MTP "
             "layer is supported"
+        )
+    return value
+
+
+def declared_attention_window(model_dir: Path) -> Optional[int]:
+    """``mtp_attention_window`` of the config: the positions the head was
+    trained to attend to (an mlx-spec key; released checkpoints do not set
+    it, and their heads attend to every position)."""
+    value = _mtp_setting(model_dir, "mtp_attention_window")
+    if value is not None and (
+        not isinstance(value, int) or isinstance(value, bool) or value < 1
+    ):
+        raise MTPWeightsError(
+            f"{model_dir}/config.json: mtp_attention_window={value!r} is not a "
+            "positive integer"
         )
     return value
 

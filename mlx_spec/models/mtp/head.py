@@ -49,29 +49,65 @@ def text_args(model):
     return text_model(model).args
 
 
+def attention_start(offset: int, window: Optional[int]) -> int:
+    """The first position that rows written after ``offset`` positions
+    attend to, when each attends to its last ``window`` (None: all)."""
+    return 0 if window is None else max(0, offset - window + 1)
+
+
+def window_mask(offsets: List[int], N: int, start: int, window: int) -> mx.array:
+    """[B, 1, N, L] (bool): query ``t`` of row ``b`` (at position
+    ``offsets[b] + t``) sees the positions ``start + j`` within its last
+    ``window``; L reaches the longest row's last query."""
+    query = mx.array(offsets)[:, None, None, None] + mx.arange(N)[:, None]
+    key = start + mx.arange(max(offsets) + N - start)
+    return (key <= query) & (key > query - window)
+
+
 class MTPKVCache(KVCache):
-    """A ``KVCache`` that stores keys/values in ``dtype`` (None: as they come).
+    """A ``KVCache`` that stores keys/values in ``dtype`` (None: as they come)
+    and lets each row attend to its last ``window`` positions (None: all).
 
     The head's one layer needs one row per verified position; float16 halves
     its memory against float32 heads. ``update_and_fetch`` returns the cached
     rows in the dtype of the incoming keys, so attention runs in the head's
     compute dtype (the rounding of the stored rows is the only change).
-    Rollback is the inherited ``trim(n)``.
+    With a ``window`` it returns only the rows the new ones can see and
+    :meth:`make_mask` bands the rest out, so a head forward over ``L`` rows
+    costs ``L * window`` at any context, and every row sees the same
+    positions however the rows are batched. Every row stays stored (rope
+    positions, rollback and sessions are unchanged). Rollback is the
+    inherited ``trim(n)``.
     """
 
-    def __init__(self, dtype: Optional[mx.Dtype] = mx.float16):
+    def __init__(
+        self, dtype: Optional[mx.Dtype] = mx.float16, window: Optional[int] = None
+    ):
         super().__init__()
         self.dtype = dtype
+        self.window = window
 
     def update_and_fetch(self, keys, values):
-        # keys: [B, kv_heads, L, head_dim]
-        if self.dtype is None or self.dtype == keys.dtype:
-            return super().update_and_fetch(keys, values)
+        # keys: [B, kv_heads, L, head_dim] -> the rows they attend to
+        start = attention_start(self.offset, self.window)
         dt = keys.dtype
-        k, v = super().update_and_fetch(
-            keys.astype(self.dtype), values.astype(self.dtype)
-        )
-        return k.astype(dt), v.astype(dt)
+        upcast = self.dtype is not None and self.dtype != dt
+        if upcast:
+            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+        k, v = super().update_and_fetch(keys, values)
+        if start:
+            k, v = k[..., start:, :], v[..., start:, :]
+        return (k.astype(dt), v.astype(dt)) if upcast else (k, v)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        if self.window is None or self.offset + N <= self.window:
+            return super().make_mask(
+                N, return_array=return_array, window_size=window_size
+            )
+        if N == 1:
+            return None  # the fetched rows are exactly its window
+        start = attention_start(self.offset, self.window)
+        return window_mask([self.offset], N, start, self.window)[0]
 
 
 class MTPDecoderLayer(nn.Module):
@@ -135,6 +171,7 @@ class MTPHead(nn.Module):
         self.layers = [MTPDecoderLayer(args, moe)]
         self.norm = nn.RMSNorm(H, eps=eps)
         self._target = None
+        self._window = None
 
     def bind(self, model) -> "MTPHead":
         """Share ``model``'s embedding and output head (weakly referenced)."""
@@ -163,14 +200,33 @@ class MTPHead(nn.Module):
 
     # -- forward -------------------------------------------------------------
 
+    @property
+    def attention_window(self) -> Optional[int]:
+        """How many positions each row of the head attends to (its last
+        ones; None: all). A head trained on short windows drafts better and
+        cheaper at long contexts with its training window (the config's
+        ``mtp_attention_window``); drafts only, never an output token."""
+        return self._window
+
+    @attention_window.setter
+    def attention_window(self, window: Optional[int]):
+        if window is not None and (
+            not isinstance(window, int) or isinstance(window, bool) or window < 1
+        ):
+            raise ValueError(
+                f"attention_window must be a positive integer or None, got {window!r}"
+            )
+        self._window = window
+
     def make_cache(self) -> List[MTPKVCache]:
         """float16 rows where the attention kernel reads them as stored;
         elsewhere the compute dtype's, since upcasting the whole cache at
         every head step costs more than the memory saves (on the CPU, one
         draft step over 4,096 cached rows: 4.8 ms stored float16, 1.9 ms
-        float32; ``scripts/profile_verify.py --head``)."""
+        float32; ``scripts/profile_verify.py --head``). Rows attend to
+        their last :attr:`attention_window` positions."""
         dtype = mx.float16 if kernels.kernels_wanted() else None
-        return [MTPKVCache(dtype) for _ in self.layers]
+        return [MTPKVCache(dtype, self.attention_window) for _ in self.layers]
 
     def head_hidden(
         self,

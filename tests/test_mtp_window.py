@@ -1,0 +1,117 @@
+"""The MTP head's attention window: each head row attends to its last ``window``
+positions, however rows are batched, alone or in a batch, and output tokens
+never change."""
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+import mlx_spec
+from mlx_spec.core.ragged_cache import RaggedKVCache
+from mlx_spec.core.stats import SpecStats
+from mlx_spec.drafters.combined import MTPNgramDrafter
+from mlx_spec.drafters.mtp import MTPDrafter
+from mlx_spec.generate import stream_generate
+from mlx_spec.models.mtp import MTPKVCache
+from mlx_spec.testing.checkpoints import FAMILIES
+from mlx_spec.testing.mtp_heads import write_predictive_checkpoint
+
+WINDOW = 5
+
+
+def _attend(cache, queries, keys, values):
+    mask = cache.make_mask(queries.shape[2])
+    k, v = cache.update_and_fetch(keys, values)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=0.5, mask=mask)
+
+
+def _banded(queries, keys, values, window):
+    """Attention of every position over its last ``window`` (all rows given)."""
+    n = queries.shape[2]
+    pos = mx.arange(n)
+    mask = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - window)
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=0.5, mask=mask
+    )
+
+
+@pytest.mark.parametrize("chunks", [[3, 4, 1, 1, 6, 2], [1] * 12, [12], [4, 8]])
+def test_cache_attends_to_the_last_window_however_rows_are_chunked(chunks):
+    mx.random.seed(0)
+    q, k, v = (mx.random.normal((1, 2, sum(chunks), 4)) for _ in range(3))
+    cache, out, at = MTPKVCache(None, WINDOW), [], 0
+    for n in chunks:
+        part = slice(at, at + n)
+        out.append(_attend(cache, q[:, :, part], k[:, :, part], v[:, :, part]))
+        at += n
+    got = mx.concatenate(out, axis=2)
+    assert mx.allclose(got, _banded(q, k, v, WINDOW), atol=1e-6).item()
+    assert cache.offset == sum(chunks)  # every row stays stored
+    # Without a window the same cache attends to everything (the negative control).
+    full, out, at = MTPKVCache(None, None), [], 0
+    for n in chunks:
+        part = slice(at, at + n)
+        out.append(_attend(full, q[:, :, part], k[:, :, part], v[:, :, part]))
+        at += n
+    assert not mx.allclose(mx.concatenate(out, axis=2), got, atol=1e-3).item()
+
+
+def test_ragged_rows_attend_as_each_row_alone():
+    """Rows at different offsets in one batch cache: each row's attention
+    equals its own windowed cache's."""
+    mx.random.seed(1)
+    offsets, T = [0, 3, 9, 14], 3
+    ragged, alone = RaggedKVCache(None, WINDOW), []
+    for n in offsets:  # each row's history, written alone, then joined
+        c = MTPKVCache(None, WINDOW)
+        if n:
+            c.update_and_fetch(*(mx.random.normal((1, 2, n, 4)) for _ in range(2)))
+        alone.append(c)
+        ragged.append_row(c)
+    q, k, v = (mx.random.normal((len(offsets), 2, T, 4)) for _ in range(3))
+    got = _attend(ragged, q, k, v)
+    for b, c in enumerate(alone):
+        row = slice(b, b + 1)
+        want = _attend(c, q[row], k[row], v[row])
+        assert mx.allclose(got[row], want, atol=1e-6).item(), b
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp_window")
+    return {
+        f: mlx_spec.load(write_predictive_checkpoint(root / f, f)) for f in FAMILIES
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("make", [MTPDrafter, MTPNgramDrafter])
+def test_a_windowed_head_changes_no_token(models, family, make, monkeypatch):
+    """A window far shorter than the text: drafts change, tokens do not."""
+    model, tok = models[family]
+    prompt = "def push(self, value: int) -> None:\n    x = value + value\n"
+    want = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=24)]
+    monkeypatch.setattr(model.mtp_head, "attention_window", 4)
+    for k in (1, 3, "auto"):
+        drafter = make(model.mtp_head)
+        stats = SpecStats()
+        got = stream_generate(
+            model,
+            tok,
+            prompt,
+            max_tokens=24,
+            draft=drafter,
+            num_draft_tokens=k,
+            stats=stats,
+        )
+        assert [r.token for r in got] == want, k
+        mtp = drafter if isinstance(drafter, MTPDrafter) else drafter.mtp
+        assert mtp.cache[0].window == 4 and mtp.offset == len(tok.encode(prompt)) + 23
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, "512", True])
+def test_a_bad_window_is_refused_by_value(models, window):
+    head = models["qwen3_next"][0].mtp_head
+    with pytest.raises(ValueError, match=repr(window).replace(".", r"\.")):
+        head.attention_window = window
+    assert head.attention_window is None  # unchanged
