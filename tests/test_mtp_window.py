@@ -12,6 +12,7 @@ from mlx_spec.core.stats import SpecStats
 from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.generate import stream_generate
+from mlx_spec.models.fast_layers import _stored_rows
 from mlx_spec.models.mtp import MTPKVCache
 from mlx_spec.testing.checkpoints import FAMILIES
 from mlx_spec.testing.mtp_heads import write_predictive_checkpoint
@@ -115,3 +116,18 @@ def test_a_bad_window_is_refused_by_value(models, window):
     with pytest.raises(ValueError, match=repr(window).replace(".", r"\.")):
         head.attention_window = window
     assert head.attention_window is None  # unchanged
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_the_kernel_reads_the_stored_rows_it_was_handed(window):
+    """The Metal path reads the float16 rows as stored: the same rows (the
+    window's, or all) that ``update_and_fetch`` handed attention upcast."""
+    mx.random.seed(2)
+    cache = MTPKVCache(mx.float16, window)
+    for n in (3, 4, 1, 6):
+        keys, values = (mx.random.normal((1, 2, n, 4)) for _ in range(2))
+        k, v = cache.update_and_fetch(keys, values)
+        stored_k, stored_v = _stored_rows(cache, k, v)
+        assert stored_k.dtype == mx.float16 and stored_k.shape == k.shape
+        assert mx.array_equal(stored_k.astype(k.dtype), k).item()
+        assert mx.array_equal(stored_v.astype(v.dtype), v).item()
