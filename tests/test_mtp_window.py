@@ -131,3 +131,32 @@ def test_the_kernel_reads_the_stored_rows_it_was_handed(window):
         assert stored_k.dtype == mx.float16 and stored_k.shape == k.shape
         assert mx.array_equal(stored_k.astype(k.dtype), k).item()
         assert mx.array_equal(stored_v.astype(v.dtype), v).item()
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_prompt_prefilled_in_chunks_leaves_the_head_as_one_forward(
+    models, window, monkeypatch
+):
+    """The head's prompt rows run in chunks (of the window's size when it has
+    one, the shorter chunk first): its cache and next logits are those of one
+    forward over every row."""
+    import mlx_spec.drafters.mtp as mtp
+
+    model, _ = models["qwen3_next"]
+    head = model.mtp_head
+    monkeypatch.setattr(head, "attention_window", window)
+    monkeypatch.setattr(mtp, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(mtp, "MIN_WINDOW_CHUNK", 4)
+    mx.random.seed(3)
+    prompt = list(range(3, 33))  # 29 rows: chunks of 8 (6) after a shorter one
+    hidden = mx.random.normal((len(prompt) - 1, head.hidden_size))
+    drafter = MTPDrafter(head)
+    drafter.reset(prompt, hidden)
+    cache = head.make_cache()
+    hm = head.head_hidden(mx.array(prompt[1:])[None], hidden[None], cache)
+    P = len(prompt) - 1
+    assert drafter.offset == P
+    got, want = drafter.cache[0].keys[..., :P, :], cache[0].keys[..., :P, :]
+    assert mx.allclose(got, want, atol=1e-5).item()
+    fresh = head.logits(hm[:, -1:])[0, 0]
+    assert mx.allclose(drafter.next_logits(), fresh, atol=1e-4).item()

@@ -29,7 +29,11 @@ import mlx.core as mx
 
 from .base import MAX_MTP_DRAFT_TOKENS, Drafter
 
-PREFILL_CHUNK = 2048
+PREFILL_CHUNK = 2048  # prompt rows per head forward (full attention)
+# With an attention window, chunks of the window's size (not below this):
+# each chunk then attends to under twice its rows, which at a 16k-token prompt
+# took the demo head's prefill from 2.8 s (2048-row chunks) to 1.5 s.
+MIN_WINDOW_CHUNK = 256
 PENDING_ROWS = 64  # accepted rows deferred at most before a head forward
 JUDGED_PROMPT_ROWS = 64  # a prompt's last rows judged in hindsight
 
@@ -177,8 +181,12 @@ class MTPDrafter(Drafter):
                 f"{len(prompt_tokens)} tokens (expected {n})"
             )
         tokens = mx.array(list(prompt_tokens[1:]), dtype=mx.uint32)
-        for start in range(0, n, PREFILL_CHUNK):
-            stop = min(n, start + PREFILL_CHUNK)
+        window = self.head.attention_window
+        chunk = PREFILL_CHUNK if window is None else max(window, MIN_WINDOW_CHUNK)
+        chunk = min(chunk, PREFILL_CHUNK)
+        # The shorter chunk first, so the last one holds the rows judged below.
+        bounds = [0] + list(range(n % chunk or chunk, n + 1, chunk))
+        for start, stop in zip(bounds, bounds[1:]):
             hm = self._rows(tokens[start:stop], hidden[start:stop], judge=False)
             # Every chunk now, the last too: the head's prefill is prompt
             # processing, not the first verify pass's work.
