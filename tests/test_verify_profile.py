@@ -112,3 +112,43 @@ def test_head_step_cost_is_measured_once_and_kept_on_disk(
     monkeypatch.setattr(profile, "_profiles", {})  # a new process: from disk
     assert profile.head_step_cost(model) == cost and len(measured) == 1
     assert profile.head_step_cost(plain_models["qwen3_next"][0]) is None  # no head
+
+
+class _Counting:
+    """A model stand-in that counts the tokens it is run on."""
+
+    def __init__(self, model):
+        self.model, self.tokens = model, 0
+        self.layers, self.make_cache = model.layers, model.make_cache
+
+    def __call__(self, inputs, cache=None):
+        self.tokens += inputs.shape[1]
+        return self.model(inputs, cache=cache)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_a_long_scratch_context_is_written_not_prefilled(models, family):
+    """The long profile's context: a few tokens through the model, the rest
+    random key/value rows; every attention cache holds the whole context."""
+    model = _Counting(models[family][0])
+    cache = profile._scratch_cache(model, 64, 300)
+    assert model.tokens == profile.SEED_TOKENS
+    kv = [c for c in cache if isinstance(c, profile.KVCache)]
+    assert kv and all(c.offset == 300 for c in kv)
+    assert all(c.keys.shape[2] >= 300 and c.values.shape[2] >= 300 for c in kv)
+
+
+def test_caches_of_other_kinds_are_prefilled_whole(models, monkeypatch):
+    class OtherKV(profile.KVCache):  # not a plain KVCache: filled by the model
+        pass
+
+    model = _Counting(models["qwen3_next"][0])
+    real = profile.make_prompt_cache
+
+    def other_kinds(m):
+        return [OtherKV() if type(c) is profile.KVCache else c for c in real(m)]
+
+    monkeypatch.setattr(profile, "make_prompt_cache", other_kinds)
+    cache = profile._scratch_cache(model, 64, 300)
+    assert model.tokens == 300
+    assert all(c.offset == 300 for c in cache if isinstance(c, OtherKV))
