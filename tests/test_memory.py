@@ -68,3 +68,13 @@ def test_memory_flat_under_auto(cycle_models, draft):
     model, tok = cycle_models["qwen3_next"]
     stats = assert_flat_on_cycle(model, tok, draft, num_draft_tokens="auto")
     assert stats.tokens_per_pass > 2  # it drafted
+
+
+@pytest.mark.parametrize("draft", ["mtp", "mtp+ngram"])
+def test_memory_flat_with_a_windowed_head(cycle_models, draft, monkeypatch):
+    """The head attending to its last 64 positions (of 1,200): the rows it
+    no longer sees stay stored (they are the KV bytes subtracted), nothing
+    else grows."""
+    model, tok = cycle_models["qwen3_next"]
+    monkeypatch.setattr(model.mtp_head, "attention_window", 64)
+    assert_flat_on_cycle(model, tok, draft, num_draft_tokens=8)
