@@ -6,10 +6,13 @@ pass) and wraps each part of the model in a timer that evaluates the part's
 output before reading the clock. The forced evaluations add a little to every
 part, so the parts sum to slightly more than an unwrapped pass (printed too).
 With ``--head``, also one draft step of the model's MTP head over a cache of
-``--context`` rows, stored in float16 and in the head's compute dtype.
+``--context`` rows, stored in float16 and in the head's compute dtype. With
+``--head-prefill``, only the head's prefill over a ``--context``-token prompt
+(random hidden states), with its attention window and attending to all rows.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-    python scripts/profile_verify.py [--model DIR] [--context 256] [--tokens 1 4 9] [--head]
+    python scripts/profile_verify.py [--model DIR] [--context 256] [--tokens 1 4 9]
+        [--head | --head-prefill]
 """
 
 import argparse
@@ -22,6 +25,7 @@ import mlx.nn as nn
 import mlx_spec
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.demo import default_model_path
+from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.models.mtp import MTPKVCache
 
 
@@ -88,6 +92,26 @@ def head_step_seconds(head, context, stored, repeats):
     return best
 
 
+def head_prefill_seconds(head, context, window, repeats=2):
+    """Best time of the head's prefill over a ``context``-token prompt, each
+    row attending to its last ``window`` positions (None: all)."""
+    kept, head.attention_window = head.attention_window, window
+    try:
+        prompt = [1 + i % 1000 for i in range(context)]
+        dtype = head.pre_fc_norm_hidden.weight.dtype
+        hidden = mx.random.normal((context - 1, head.hidden_size)).astype(dtype)
+        mx.eval(hidden)
+        best = float("inf")
+        for _ in range(repeats):
+            drafter, tic = MTPDrafter(head), time.perf_counter()
+            drafter.reset(prompt, hidden)
+            mx.eval(drafter.next_logits())
+            best = min(best, time.perf_counter() - tic)
+        return best
+    finally:
+        head.attention_window = kept
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(default_model_path()))
@@ -95,12 +119,24 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 9])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--head", action="store_true", help="also time an MTP draft step")
+    p.add_argument(
+        "--head-prefill", action="store_true", help="only time the MTP head's prefill"
+    )
     a = p.parse_args()
-    if a.context < 1:
-        p.error(f"--context must be at least 1, got {a.context}")
+    least = 2 if a.head_prefill else 1  # a prompt of one token has no head row
+    if a.context < least:
+        p.error(f"--context must be at least {least}, got {a.context}")
     model, _ = mlx_spec.load(a.model)
-    if a.head and getattr(model, "mtp_head", None) is None:
-        p.error(f"--head: the model at {a.model} has no MTP head")
+    for flag, wanted in (("--head", a.head), ("--head-prefill", a.head_prefill)):
+        if wanted and getattr(model, "mtp_head", None) is None:
+            p.error(f"{flag}: the model at {a.model} has no MTP head")
+    if a.head_prefill:
+        head = model.mtp_head
+        for window in dict.fromkeys((head.attention_window, None)):
+            ms = 1e3 * head_prefill_seconds(head, a.context, window)
+            reach = "every row" if window is None else f"a window of {window}"
+            print(f"MTP head prefill, {a.context} tokens, {reach}: {ms:.0f} ms")
+        return
     if a.head:
         for stored in (mx.float16, None):
             ms = 1e3 * head_step_seconds(model.mtp_head, a.context, stored, a.repeats)

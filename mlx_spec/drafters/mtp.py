@@ -31,8 +31,7 @@ from .base import MAX_MTP_DRAFT_TOKENS, Drafter
 
 PREFILL_CHUNK = 2048  # prompt rows per head forward (full attention)
 # With an attention window, chunks of the window's size (not below this):
-# each chunk then attends to under twice its rows, which at a 16k-token prompt
-# took the demo head's prefill from 2.8 s (2048-row chunks) to 1.5 s.
+# each chunk then attends to under twice its rows (docs/mtp_head.md).
 MIN_WINDOW_CHUNK = 256
 PENDING_ROWS = 64  # accepted rows deferred at most before a head forward
 JUDGED_PROMPT_ROWS = 64  # a prompt's last rows judged in hindsight
