@@ -85,8 +85,7 @@ class RaggedKVCache:
         if self.window is not None and max(self.offsets) + N > self.window:
             if N == 1 and same:
                 return None  # the fetched rows are exactly each row's window
-            start = attention_start(min(self.offsets), self.window)
-            return window_mask(self.offsets, N, start, self.window)
+            return window_mask(self.offsets, N, self.window)
         if same and not return_array:
             return "causal" if N > 1 else None
         offsets = mx.array(self.offsets)[:, None, None, None]

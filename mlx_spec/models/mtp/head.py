@@ -55,10 +55,12 @@ def attention_start(offset: int, window: Optional[int]) -> int:
     return 0 if window is None else max(0, offset - window + 1)
 
 
-def window_mask(offsets: List[int], N: int, start: int, window: int) -> mx.array:
+def window_mask(offsets: List[int], N: int, window: int) -> mx.array:
     """[B, 1, N, L] (bool): query ``t`` of row ``b`` (at position
     ``offsets[b] + t``) sees the positions ``start + j`` within its last
-    ``window``; L reaches the longest row's last query."""
+    ``window``, ``start`` being the first any row reaches
+    (:func:`attention_start`); L reaches the longest row's last query."""
+    start = attention_start(min(offsets), window)
     query = mx.array(offsets)[:, None, None, None] + mx.arange(N)[:, None]
     key = start + mx.arange(max(offsets) + N - start)
     return (key <= query) & (key > query - window)
@@ -106,8 +108,7 @@ class MTPKVCache(KVCache):
             )
         if N == 1:
             return None  # the fetched rows are exactly its window
-        start = attention_start(self.offset, self.window)
-        return window_mask([self.offset], N, start, self.window)[0]
+        return window_mask([self.offset], N, self.window)[0]
 
 
 class MTPDecoderLayer(nn.Module):
