@@ -75,3 +75,25 @@ def test_rows_padded_at_the_end_match_mlx_lm(plain_models, models, family):
         assert mx.array_equal(got[b, :n], want[b, :n])
     for a, b in zip(ours.cache, plain.cache):
         assert mx.array_equal(a, b)
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_only_mlx_spec_caches_start_layers_early(models, monkeypatch, capturing):
+    """A layer over mlx-spec's cache starts evaluating its output once built
+    (plain and verify forwards); over mlx-lm's own cache it never does, so
+    mlx-lm decoding the same model schedules its work as it always has."""
+    model, _ = models["qwen3_next"]
+    layer = _gdn_layers(model)[0]
+    make_verifiable(layer)
+    started = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: started.append(a) or real(*a))
+    H = layer.out_proj.weight.shape[0]
+    x = mx.random.normal((1, 3, H), key=mx.random.key(2))
+    want = layer(x, None, ArraysCache(2))
+    assert started == []
+    ours = GDNSlotCache(max_tokens=4)
+    ours.capturing = capturing
+    got = layer(x, None, ours)
+    assert len(started) == 1 and started[0][0] is got
+    assert mx.array_equal(got, want)

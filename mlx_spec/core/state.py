@@ -39,6 +39,9 @@ class GDNSlotCache(ArraysCache):
     buffer written into but never read keeps every earlier write alive).
     """
 
+    # The layer starts evaluating its output once built (see models/gdn.py).
+    evaluate_early = True
+
     def __init__(self, max_tokens: int, rollback: str = "store"):
         super().__init__(size=2)
         self.max_tokens = max_tokens
