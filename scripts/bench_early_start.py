@@ -1,0 +1,85 @@
+"""Whole generations with the GDN layers started early and not, interleaved.
+
+mlx-spec hands each GDN layer's output to ``mx.async_eval`` as soon as its
+graph is built (``evaluate_early`` on its caches, see
+``mlx_spec/models/gdn.py``), so the device computes a verify pass's first
+layers while the host builds the rest. This script measures what that buys:
+for each workload, drafter and draft length it alternates generations with
+the layers started early and evaluated only at the end, checks that both
+give the same tokens, and prints the median tokens/s of each.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+    python scripts/bench_early_start.py [--model DIR] [--workload free-main ...]
+        [--draft ngram mtp mtp+ngram] [--num-draft-tokens 3 auto] [--repeats 6]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx_spec
+from mlx_spec.commands.bench import load_workloads, machine_info
+from mlx_spec.core.state import GDNSlotCache
+from mlx_spec.demo import default_model_path
+
+
+def generation(model, tok, prompt, draft, k, max_tokens):
+    """(tokens/s, tokens) of one greedy generation."""
+    tokens, tic = [], time.perf_counter()
+    for r in mlx_spec.stream_generate(
+        model, tok, prompt, max_tokens, draft=draft, num_draft_tokens=k
+    ):
+        tokens.append(r.token)
+    return len(tokens) / (time.perf_counter() - tic), tokens
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(default_model_path()))
+    p.add_argument(
+        "--workload", nargs="+", default=["copy-function", "free-main", "free-class"]
+    )
+    p.add_argument("--draft", nargs="+", default=["ngram", "mtp", "mtp+ngram"])
+    p.add_argument("--num-draft-tokens", nargs="+", default=["3", "auto"])
+    p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=256)
+    a = p.parse_args()
+    if a.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {a.repeats}")
+    ks = [k if k == "auto" else int(k) for k in a.num_draft_tokens]
+    model, tok = mlx_spec.load(a.model)
+    workloads = {w["name"]: w for w in load_workloads(tokenizer=tok)}
+    unknown = [w for w in a.workload if w not in workloads]
+    if unknown:
+        p.error(f"unknown workload(s) {unknown}; known: {sorted(workloads)}")
+    print(json.dumps(machine_info()), flush=True)
+    print(f"{'workload':14} {'draft':10} {'k':>4} {'early':>7} {'not':>7} {'ratio':>6}")
+    for name in a.workload:
+        prompt = workloads[name]["prompt"]
+        for draft in a.draft:
+            for k in ks:
+                speeds, first = {True: [], False: []}, None
+                for r in range(a.repeats + 1):  # the first round warms up
+                    order = (True, False) if r % 2 else (False, True)
+                    for early in order:
+                        GDNSlotCache.evaluate_early = early
+                        speed, tokens = generation(
+                            model, tok, prompt, draft, k, a.max_tokens
+                        )
+                        first = first or tokens
+                        if tokens != first:
+                            raise SystemExit(f"{name} {draft} k={k}: tokens differ")
+                        if r:
+                            speeds[early].append(speed)
+                GDNSlotCache.evaluate_early = True
+                on, off = (statistics.median(speeds[e]) for e in (True, False))
+                print(
+                    f"{name:14} {draft:10} {k!s:>4} {on:7.1f} {off:7.1f} "
+                    f"{on / off:6.3f}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
