@@ -4,7 +4,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache
 
-from mlx_spec.core.state import GDNSlotCache
+from mlx_spec.core.batch import BatchDecoder
+from mlx_spec.core.state import GDNSlotCache, SpeculativeCache
 from mlx_spec.models.gdn import make_verifiable
 
 
@@ -97,3 +98,19 @@ def test_only_mlx_spec_caches_start_layers_early(models, monkeypatch, capturing)
     got = layer(x, None, ours)
     assert len(started) == 1 and started[0][0] is got
     assert mx.array_equal(got, want)
+
+
+def test_the_ranks_of_a_pipeline_do_not_start_layers_early(models, monkeypatch):
+    """On one process mlx-spec's caches start their layers early; a model
+    split over a pipeline's ranks gets caches that do not (there each rank's
+    layers wait on the others', and starting them early made passes slower)."""
+    model, _ = models["qwen3_next"]
+
+    def early():
+        batch = BatchDecoder(model, n_slots=2, max_draft=3)
+        single = SpeculativeCache(model, 3)
+        return {c.evaluate_early for c in batch.gdn + single.gdn}
+
+    assert early() == {True}
+    monkeypatch.setattr(model.model, "pipeline_size", 2, raising=False)
+    assert early() == {False}

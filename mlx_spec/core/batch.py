@@ -61,17 +61,18 @@ class BatchDecoder:
     def __init__(self, model, n_slots: int, max_draft: int, rollback: str = "store"):
         self.model, self.n_slots, self.max_draft = model, n_slots, max_draft
         self.caches, self.gdn, self.attention = [], [], []
+        self.group = pipeline_group(model)
         for layer in model.layers:
             gdn = getattr(layer, "linear_attn", None)
             if gdn is not None and make_verifiable(gdn):
                 c = GDNSlotCache(max_draft + 1, rollback)
+                c.evaluate_early = self.group is None  # as SpeculativeCache's
                 self.gdn.append(c)
             else:
                 c = RaggedKVCache()
                 self.attention.append(c)
             self.caches.append(c)
         self.target = Target(model, self)
-        self.group = pipeline_group(model)
         self.rows: List[_Row] = []  # the batch's rows, in cache order
         self.heads: Optional[MTPBatch] = None  # the rows' MTP heads, run together
         self.lengths: Optional[PassLength] = None  # the auto rows' shared length

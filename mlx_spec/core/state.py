@@ -23,6 +23,7 @@ import mlx.core as mx
 from ..kernels.gated_delta import gated_delta_steps
 from ..mlx_lm_compat import ArraysCache, make_prompt_cache
 from ..models.gdn import make_verifiable
+from ..models.pipeline import pipeline_group
 
 ROLLBACK_STRATEGIES = ("store", "replay")
 
@@ -39,7 +40,8 @@ class GDNSlotCache(ArraysCache):
     buffer written into but never read keeps every earlier write alive).
     """
 
-    # The layer starts evaluating its output once built (see models/gdn.py).
+    # The layer starts evaluating its output once built (see models/gdn.py);
+    # not on the ranks of a pipeline, whose layers then wait on each other.
     evaluate_early = True
 
     def __init__(self, max_tokens: int, rollback: str = "store"):
@@ -185,6 +187,7 @@ class SpeculativeCache:
             )
         self.caches = make_prompt_cache(model) if caches is None else caches
         self.gdn: List[GDNSlotCache] = []
+        early = pipeline_group(model) is None
         bad = []
         for i, (layer, c) in enumerate(zip(model.layers, self.caches)):
             gdn = getattr(layer, "linear_attn", None)
@@ -192,6 +195,7 @@ class SpeculativeCache:
                 if not isinstance(c, GDNSlotCache):
                     c = self.caches[i] = GDNSlotCache.wrap(c, max_draft + 1, rollback)
                 c.max_tokens, c.rollback = max_draft + 1, rollback
+                c.evaluate_early = early
                 self.gdn.append(c)
             elif not c.is_trimmable():
                 bad.append(f"layer {i}: {type(c).__name__}")
