@@ -61,23 +61,19 @@ def instrument(model, totals):
     model.lm_head = Timed(model.lm_head, "lm_head", totals)
 
 
-def pass_seconds(decoder, T, repeats):
-    """Best time of a T-token target pass (begin, forward, commit one token)
-    and, of that pass, the host's time building the forward's graph."""
-    best, building = float("inf"), 0.0
-    for _ in range(repeats):
-        tokens = mx.array(decoder.history[-1:] * T)
-        mx.eval(tokens)
-        tic = time.perf_counter()
-        decoder.cache.begin(T)
-        logits, hidden = decoder.target.forward(tokens)
-        built = time.perf_counter()
-        mx.eval(logits, hidden)
-        decoder.cache.commit(1)
-        mx.eval([c.state for c in decoder.cache.caches])
-        if time.perf_counter() - tic < best:
-            best, building = time.perf_counter() - tic, built - tic
-    return best, building
+def pass_seconds(decoder, T):
+    """Seconds of a T-token target pass (begin, forward, commit one token)
+    and, of them, the host's time building the forward's graph."""
+    tokens = mx.array(decoder.history[-1:] * T)
+    mx.eval(tokens)
+    tic = time.perf_counter()
+    decoder.cache.begin(T)
+    logits, hidden = decoder.target.forward(tokens)
+    built = time.perf_counter()
+    mx.eval(logits, hidden)
+    decoder.cache.commit(1)
+    mx.eval([c.state for c in decoder.cache.caches])
+    return time.perf_counter() - tic, built - tic
 
 
 def early_and_not(decoder, T, repeats):
@@ -90,7 +86,7 @@ def early_and_not(decoder, T, repeats):
             for c in decoder.cache.caches:
                 if isinstance(c, GDNSlotCache):
                     c.evaluate_early = early
-            times[early].append(pass_seconds(decoder, T, 1))
+            times[early].append(pass_seconds(decoder, T))
     early, late = ([statistics.median(x) for x in zip(*times[e])] for e in times)
     return early[0], late[0], late[1]
 
@@ -174,10 +170,11 @@ def main():
     instrument(model, totals)
     print(f"context {a.context} tokens, ms per pass (median of {a.repeats}):")
     for T in a.tokens:
-        pass_seconds(decoder, T, 2)  # warm the wrapped shapes
+        for _ in range(2):  # warm the wrapped shapes
+            pass_seconds(decoder, T)
         totals.clear()
         for _ in range(a.repeats):
-            pass_seconds(decoder, T, 1)
+            pass_seconds(decoder, T)
         parts = {k: 1e3 * v / a.repeats for k, v in totals.items()}
         line = "  ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items()))
         early, late, building = (1e3 * t for t in plain[T])

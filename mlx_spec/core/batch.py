@@ -66,7 +66,8 @@ class BatchDecoder:
             gdn = getattr(layer, "linear_attn", None)
             if gdn is not None and make_verifiable(gdn):
                 c = GDNSlotCache(max_draft + 1, rollback)
-                c.evaluate_early = self.group is None  # as SpeculativeCache's
+                if self.group is not None:  # as in SpeculativeCache
+                    c.evaluate_early = False
                 self.gdn.append(c)
             else:
                 c = RaggedKVCache()

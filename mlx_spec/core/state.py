@@ -187,7 +187,7 @@ class SpeculativeCache:
             )
         self.caches = make_prompt_cache(model) if caches is None else caches
         self.gdn: List[GDNSlotCache] = []
-        early = pipeline_group(model) is None
+        pipelined = pipeline_group(model) is not None
         bad = []
         for i, (layer, c) in enumerate(zip(model.layers, self.caches)):
             gdn = getattr(layer, "linear_attn", None)
@@ -195,7 +195,8 @@ class SpeculativeCache:
                 if not isinstance(c, GDNSlotCache):
                     c = self.caches[i] = GDNSlotCache.wrap(c, max_draft + 1, rollback)
                 c.max_tokens, c.rollback = max_draft + 1, rollback
-                c.evaluate_early = early
+                if pipelined:
+                    c.evaluate_early = False
                 self.gdn.append(c)
             elif not c.is_trimmable():
                 bad.append(f"layer {i}: {type(c).__name__}")
