@@ -65,9 +65,7 @@ class BatchDecoder:
         for layer in model.layers:
             gdn = getattr(layer, "linear_attn", None)
             if gdn is not None and make_verifiable(gdn):
-                c = GDNSlotCache(max_draft + 1, rollback)
-                if self.group is not None:  # as in SpeculativeCache
-                    c.evaluate_early = False
+                c = GDNSlotCache(max_draft + 1, rollback, self.group is not None)
                 self.gdn.append(c)
             else:
                 c = RaggedKVCache()

@@ -44,16 +44,18 @@ class GDNSlotCache(ArraysCache):
     # not on the ranks of a pipeline, whose layers then wait on each other.
     evaluate_early = True
 
-    def __init__(self, max_tokens: int, rollback: str = "store"):
+    def __init__(self, max_tokens: int, rollback: str = "store", pipelined=False):
         super().__init__(size=2)
+        if pipelined:  # a rank of a pipeline
+            self.evaluate_early = False
         self.max_tokens = max_tokens
         self.rollback = rollback
         self.capturing = False
         self._pass = None  # (T, conv_input [B, K-1+T, C], pre-pass state, saved)
 
     @classmethod
-    def wrap(cls, cache: ArraysCache, max_tokens: int, rollback: str):
-        new = cls(max_tokens, rollback)
+    def wrap(cls, cache: ArraysCache, max_tokens: int, rollback: str, pipelined=False):
+        new = cls(max_tokens, rollback, pipelined)
         new.cache = list(cache.cache)
         new.left_padding, new.lengths = cache.left_padding, cache.lengths
         return new
@@ -193,10 +195,9 @@ class SpeculativeCache:
             gdn = getattr(layer, "linear_attn", None)
             if gdn is not None and make_verifiable(gdn):
                 if not isinstance(c, GDNSlotCache):
-                    c = self.caches[i] = GDNSlotCache.wrap(c, max_draft + 1, rollback)
+                    c = GDNSlotCache.wrap(c, max_draft + 1, rollback, pipelined)
+                    self.caches[i] = c
                 c.max_tokens, c.rollback = max_draft + 1, rollback
-                if pipelined:
-                    c.evaluate_early = False
                 self.gdn.append(c)
             elif not c.is_trimmable():
                 bad.append(f"layer {i}: {type(c).__name__}")
