@@ -290,3 +290,19 @@ def test_anthropic_errors_have_anthropic_shape(server):
         },
     )
     assert status == 400 and reply["error"]["type"] == "invalid_request_error"
+
+
+def test_sigterm_after_serving_exits_cleanly(tmp_path):
+    """A server that has decoded requests on its worker thread stops on
+    SIGTERM with status 0 (it used to abort while MLX freed the worker
+    thread's compile cache during interpreter shutdown)."""
+    path = write_tiny_checkpoint(tmp_path / MODEL_ID, "qwen3_next")
+    port = free_port()
+    with running_server(mlx_spec_server(path, port), port) as proc:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        body = {"prompt": PROMPT, "max_tokens": 8}
+        conn.request("POST", "/v1/completions", json.dumps(body))
+        assert conn.getresponse().status == 200
+        conn.close()
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0

@@ -10,7 +10,9 @@ it prints one line, ``[mlx_spec server] listening on http://HOST:PORT ...``.
 import argparse
 import json
 import logging
+import os
 import signal
+import sys
 import threading
 
 
@@ -145,7 +147,7 @@ def main(argv=None):
         )
     if group is not None and group.rank() != 0:
         engine.join()  # decodes what rank 0 sends until rank 0 closes
-        return 0
+        _exit_after_serving()
     ctx = ServerContext(
         tokenizer,
         model_id=path.name,
@@ -182,4 +184,18 @@ def main(argv=None):
     finally:
         server.server_close()
         engine.close()
-    return 0
+    _exit_after_serving()
+
+
+def _exit_after_serving():
+    """End the process with status 0 now that the engine has closed.
+
+    The generation worker ran MLX on its own thread. When that OS thread
+    ends, MLX frees the thread's compile cache, which takes Python's lock; if
+    the main thread is by then finalizing the interpreter, the process aborts
+    ("terminate called without an active exception", status -6) after a clean
+    shutdown. Nothing is left to tear down here, so skip finalization."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
