@@ -9,6 +9,7 @@ import pytest
 import mlx_spec
 from mlx_spec.core.ragged_cache import RaggedKVCache
 from mlx_spec.core.stats import SpecStats
+from mlx_spec.drafters import mtp as mtp_module
 from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.generate import stream_generate
@@ -141,13 +142,11 @@ def test_a_prompt_prefilled_in_chunks_leaves_the_head_as_one_forward(
     """The head's prompt rows run in chunks (of the window's size when it has
     one, the shorter chunk first): its cache and next logits are those of one
     forward over every row."""
-    import mlx_spec.drafters.mtp as mtp
-
     model, _ = models["qwen3_next"]
     head = model.mtp_head
     monkeypatch.setattr(head, "attention_window", window)
-    monkeypatch.setattr(mtp, "PREFILL_CHUNK", 8)
-    monkeypatch.setattr(mtp, "MIN_WINDOW_CHUNK", 4)
+    monkeypatch.setattr(mtp_module, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(mtp_module, "MIN_WINDOW_CHUNK", 4)
     mx.random.seed(3)
     prompt = list(range(3, 33))  # 29 rows: chunks of 8 (6) after a shorter one
     hidden = mx.random.normal((len(prompt) - 1, head.hidden_size))

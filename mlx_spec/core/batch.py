@@ -62,10 +62,11 @@ class BatchDecoder:
         self.model, self.n_slots, self.max_draft = model, n_slots, max_draft
         self.caches, self.gdn, self.attention = [], [], []
         self.group = pipeline_group(model)
+        pipelined = self.group is not None
         for layer in model.layers:
             gdn = getattr(layer, "linear_attn", None)
             if gdn is not None and make_verifiable(gdn):
-                c = GDNSlotCache(max_draft + 1, rollback, self.group is not None)
+                c = GDNSlotCache(max_draft + 1, rollback, pipelined=pipelined)
                 self.gdn.append(c)
             else:
                 c = RaggedKVCache()
