@@ -10,7 +10,8 @@ empty slot). Each :meth:`step`:
 1. every active row drafts with its own drafter and draft length (0 allowed);
    the rows drafting with the model's MTP head run its steps together
    (:class:`~mlx_spec.core.batch_mtp.MTPBatch`: one ``[B, 1]`` forward per
-   step), each getting the draft its drafter computes alone;
+   step), each getting the draft its drafter computes alone, left on the
+   device as the pass's input (the host waits once a pass, for the verdicts);
 2. the target runs once over ``[B, T]`` tokens, ``T = 1 + the longest draft``;
    shorter rows are padded at the end and masked (attention: each row sees
    only its own positions; GDN: padded tokens leave the state unchanged);
@@ -32,8 +33,8 @@ from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
 from .batch_policy import PassLength
 from .decode import SpeculativeDecoder
-from .policy import DraftLengthPolicy, SourcePolicies
-from .verify_profile import verify_cost_profile
+from .policy import SourcePolicies, policies_by_source
+from .verify_profile import head_step_cost, verify_cost_profile
 from .ragged_cache import RaggedKVCache
 from .sampling import make_draft_sampler, make_sampler
 from .state import GDNSlotCache
@@ -125,9 +126,8 @@ class BatchDecoder:
         policy = None
         if auto and decoder.drafter is not None:  # one sequence's pass costs
             costs = verify_costs or verify_cost_profile(self.model)
-            policy = SourcePolicies(
-                lambda source: DraftLengthPolicy(costs, self.max_draft, self.group)
-            )
+            head = head_step_cost(self.model) or 0.0
+            policy = policies_by_source(costs, self.max_draft, self.group, None, head)
             self.lengths = self.lengths or PassLength(costs, self.group)
         id, self._next_id = self._next_id, self._next_id + 1
         row = _Row(id, decoder, sampler, policy, most, max_tokens, set(stop_tokens))
@@ -193,34 +193,38 @@ class BatchDecoder:
         queued, self._queued = self._queued, None
         if queued is not None:  # it was started over every row's one token
             ks = dict.fromkeys(active, 0)
-        head_seconds, head_steps, catch_up = self._draft_heads(ks)
-        drafts, seconds = {}, {}
+        head_steps, catch_up = 0, 0
+        if self.heads is not None:  # head rows first, all at once
+            drafting = [(self.rows[b].decoder.drafter, k) for b, k in ks.items()]
+            head_steps, catch_up = self.heads.draft_rows(drafting)
+        drafts, seconds = {}, {}  # seconds: None for a lazy draft (not host work)
         for b in active:
             drafts[b], seconds[b] = self._draft(self.rows[b], ks[b])
-            seconds[b] += head_seconds.get(b, 0.0)
         T = 1 + max(len(d) for d in drafts.values())
         B = len(self.rows)
-        tokens, lengths = [[0] * T for _ in range(B)], [0] * B
+        lengths = [0] * B
         for b in active:
-            seq = self.rows[b].decoder.history[-1:] + drafts[b]
-            tokens[b][: len(seq)], lengths[b] = seq, len(seq)
+            lengths[b] = 1 + len(drafts[b])
         if queued is None:
             ragged = any(n < T for n in lengths)  # else no token is masked
             for c in self.gdn:
                 c.capturing, c.lengths = True, mx.array(lengths) if ragged else None
-        logits, hidden = queued or self.target.forward_rows(mx.array(tokens))
+        logits, hidden = queued or self.target.forward_rows(
+            self._pass_inputs(drafts, T)
+        )
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, T, V]
         plain = self._queue_plain(logprobs) if self._plain_ahead(active, T) else None
         kept, out = [0] * B, {}
         for b in active:
             row, draft = self.rows[b], drafts[b]
-            q = row.decoder.drafter.draft_probs if draft else None
+            q = row.decoder.drafter.draft_probs if len(draft) else None
             if plain is not None:  # sampled as verify_draft samples a plain pass
                 n, token = 0, plain[b]
             else:
                 n, token = verify_draft(
                     draft, logprobs[b, : lengths[b]], row.sampler, q
                 )
+            draft = draft.tolist() if isinstance(draft, mx.array) else draft
             emitted = self._truncate(row, draft[:n] + [token])
             j = len(emitted)
             kept[b] = j + (row.done and j <= n)
@@ -352,42 +356,34 @@ class BatchDecoder:
             b: k if b in heads else max(k, min(longest, caps[b])) for b, k in ks.items()
         }
 
-    def _draft_heads(self, ks: Dict[int, int]) -> Tuple[Dict[int, float], int, int]:
-        """Catch up and draft the rows whose drafts come from the batch's MTP
-        head, all at once (their drafters then return these drafts); each
-        such row's share of the seconds drafting took, the head steps run and
-        the positions of the catch-up."""
-        if self.heads is None:
-            return {}, 0, 0
-        index = {id(m): i for i, m in enumerate(self.heads.members)}
-        rows = {}  # row -> member index, for rows drafting from the head's state
-        for b, k in ks.items():
-            drafter = self.rows[b].decoder.drafter
-            mtp = head_drafter(drafter)
-            if k > 0 and id(mtp) in index and drafter.needs_head_state(k):
-                rows[b] = index[id(mtp)]
-        catch_up = self.heads.catch_up([self.heads.members[i] for i in rows.values()])
-        tic = time.perf_counter()
-        wants = {
-            i: ks[b]
-            for b, i in rows.items()
-            if self.rows[b].decoder.drafter.drafts_with_head(ks[b])
-        }
-        if wants:
-            self.heads.draft(wants)
-        share = (time.perf_counter() - tic) / max(len(rows), 1)
-        return {b: share for b in rows}, max(wants.values(), default=0), catch_up
-
-    def _draft(self, row: _Row, k: int) -> Tuple[List[int], float]:
-        """The row's draft of up to ``k`` tokens and the seconds drafting took
-        (deferred drafter work excluded, as for one sequence)."""
+    def _draft(self, row: _Row, k: int) -> Tuple[list, Optional[float]]:
+        """The row's draft of up to ``k`` tokens (a list, or a lazy array
+        drafted on the device) and the seconds drafting took on the host
+        (deferred drafter work excluded, as for one sequence; None for a lazy
+        draft, whose work no host timer sees)."""
         d = row.decoder
         if k <= 0:
             return [], 0.0
         if head_drafter(d.drafter) not in (self.heads or ()):
             d.drafter.catch_up()
         tic = time.perf_counter()
-        return d.drafter.draft(k), time.perf_counter() - tic
+        draft = d.next_draft(k)
+        lazy = isinstance(draft, mx.array)
+        return draft, None if lazy else time.perf_counter() - tic
+
+    def _pass_inputs(self, drafts: Dict[int, list], T: int) -> mx.array:
+        """[B, T] uint32: each active row's pending token and its draft (a
+        lazy one written in on the device), padded at the end with 0."""
+        tokens = [[0] * T for _ in self.rows]
+        for b, draft in drafts.items():
+            tokens[b][0] = self.rows[b].decoder.history[-1]
+            if isinstance(draft, list):
+                tokens[b][1 : 1 + len(draft)] = draft
+        inputs = mx.array(tokens, mx.uint32)
+        for b, draft in drafts.items():
+            if isinstance(draft, mx.array):
+                inputs[b, 1 : 1 + draft.size] = draft
+        return inputs
 
     def _truncate(self, row: _Row, emitted: List[int]) -> List[int]:
         """``emitted`` up to a stop token or the row's token budget."""

@@ -15,8 +15,11 @@ every member's rows, at their own offsets. Then:
   step ``j > 1`` is one ``[B, 1]`` forward for all members (a row drafting
   fewer steps, or not drafting, rides along and its position is dropped).
   The draft-time rows are dropped right after drafting (nothing reads them),
-  and each drafter is offered its tokens, logits and q, which its
-  ``draft(k)`` then returns.
+  and each drafter is offered its tokens (lazy: they are the verify pass's
+  input), logits and q, which its ``draft_tokens(k)`` then returns.
+- :meth:`MTPBatch.draft_rows`: both, for the rows of a pass that draft from
+  their head's state. Nothing waits on the host: the verify pass is built on
+  top, and its one synchronisation evaluates the drafts too.
 
 Every row sees only its own positions (per-row rope offsets and masks), so
 its tokens are those its own drafter computes alone; bit for bit wherever
@@ -25,7 +28,7 @@ A member leaves (:meth:`MTPBatch.leave`) with its rows in its own cache again.
 """
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -95,9 +98,10 @@ class MTPBatch:
         return hm
 
     def catch_up(self, mtps: List[MTPDrafter]) -> int:
-        """Run the deferred rows of ``mtps`` (members) in one forward, and
-        evaluate it, so that timing the following draft measures drafting
-        alone; the positions it computed (0: nothing ran). A member with
+        """Run the deferred rows of ``mtps`` (members) in one forward, started
+        on the device at once (nothing waits for it: the drafts and the
+        verify pass are built on top); the positions it computed (0: nothing
+        ran). A member with
         ``PENDING_ROWS`` deferred rows joins in anyway, which bounds what a
         member holds; so does any member with no more rows than the
         forward's length (its positions are computed anyway)."""
@@ -122,14 +126,34 @@ class MTPBatch:
         logits = self.head.logits(last)  # [B, 1, V]
         for b, n in lengths.items():
             self.members[b].set_last_row(last[b : b + 1], logits[b, 0], n)
-        mx.eval(logits, last, [(c.keys, c.values) for c in self.caches])
+        mx.async_eval(logits, last, [(c.keys, c.values) for c in self.caches])
         return hm.shape[0] * hm.shape[1]
+
+    def draft_rows(self, drafting: List[Tuple[object, int]]) -> Tuple[int, int]:
+        """Catch up and draft at once every row of ``drafting`` (a batch
+        row's drafter and its draft length) whose draft comes from the
+        state of a member head; their ``draft_tokens(k)`` then return these
+        drafts, lazily. Returns the head steps run and the positions of the
+        catch-up."""
+        index = {id(m): i for i, m in enumerate(self.members)}
+        rows = {}  # member index -> (its row's drafter, k)
+        for drafter, k in drafting:
+            mtp = head_drafter(drafter)
+            if k > 0 and id(mtp) in index and drafter.needs_head_state(k):
+                rows[index[id(mtp)]] = (drafter, k)
+        catch_up = self.catch_up([self.members[i] for i in rows])
+        wants = {i: k for i, (d, k) in rows.items() if d.drafts_with_head(k)}
+        if wants:
+            self.draft(wants)
+        return max(wants.values(), default=0), catch_up
 
     def draft(self, wants: Dict[int, int]):
         """Draft ``k`` tokens for each member index -> k in ``wants`` (caught
         up, with a head row) and offer them to the members; the head's steps
         run once per step for all members. Greedy rows take one argmax over
-        [B, V] per step; a sampling row samples its own row."""
+        [B, V] per step; a sampling row samples its own row. The drafts stay
+        lazy: the verify pass takes them as input, so the host builds it
+        while the device still drafts, and waits once, for the verdicts."""
         B, K = len(self.members), max(wants.values())
         states = {b: self.members[b].head_state for b in wants}
         hm, logits = next(iter(states.values()))
@@ -153,8 +177,7 @@ class MTPBatch:
         tokens = mx.stack([i for _, i in steps], axis=1)  # [B, K]
         logits = mx.stack([l for l, _ in steps], axis=1)  # [B, K, V]
         q = {b: mx.stack(p) for b, p in probs.items()}
-        mx.eval(tokens, logits, q)
-        tokens = tokens.tolist()
+        mx.async_eval(tokens, logits, q)  # started now; the verify pass waits
         for b, k in wants.items():
             self.members[b].offer(k, tokens[b][:k], logits[b, :k], q.get(b))
 

@@ -155,7 +155,7 @@ class SpeculativeDecoder:
         clock = clock or PhaseClock(self.stats)
         tic = time.perf_counter()
         took_queued = self._queued is not None
-        draft = [] if took_queued else self._draft(k)  # list or lazy array
+        draft = [] if took_queued else self.next_draft(k)  # list or lazy array
         self.drafted = len(draft)
         lazy = isinstance(draft, mx.array)  # the host timer saw none of its work
         self.draft_seconds = None if lazy else time.perf_counter() - tic
@@ -208,7 +208,9 @@ class SpeculativeDecoder:
         (None: a one-source drafter); see ``Drafter.draft_source``."""
         return None if self.drafter is None else self.drafter.draft_source(k, look)
 
-    def _draft(self, k: int):
+    def next_draft(self, k: int):
+        """Up to ``k`` drafts for the next pass: a list, or a lazy array
+        where the drafter drafts on the device (no host synchronisation)."""
         if self.drafter is None or k == 0:
             return []
         lazy = getattr(self.drafter, "draft_tokens", None)

@@ -65,17 +65,29 @@ def make_policy(model, verify_costs: Optional[List[float]] = None, group=None):
     (one profile, no growth with context) when given, else from the measured
     profiles, the MTP head's drafts starting from its measured step cost."""
     if verify_costs is not None:
-        return SourcePolicies(
-            lambda source: DraftLengthPolicy(verify_costs, group=group)
-        )
+        return policies_by_source(verify_costs, group=group)
     short, long = verify_cost_profiles(model)
     head = head_step_cost(model) or 0.0
+    return policies_by_source(short, group=group, long_costs=long, head_cost=head)
+
+
+def policies_by_source(
+    costs: List[float],
+    max_draft: int = MAX_AUTO_DRAFT_TOKENS,
+    group=None,
+    long_costs: Optional[List[float]] = None,
+    head_cost: float = 0.0,
+) -> "SourcePolicies":
+    """A :class:`DraftLengthPolicy` per draft source over the same profile;
+    the MTP head's drafts start from ``head_cost`` seconds each (a head
+    draft is lazy, so no host timer sees its steps)."""
     return SourcePolicies(
         lambda source: DraftLengthPolicy(
-            short,
-            group=group,
-            long_costs=long,
-            draft_cost=head if source == HEAD_SOURCE else 0.0,
+            costs,
+            max_draft,
+            group,
+            long_costs,
+            draft_cost=head_cost if source == HEAD_SOURCE else 0.0,
         )
     )
 

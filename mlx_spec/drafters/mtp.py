@@ -231,8 +231,8 @@ class MTPDrafter(Drafter):
 
     def draft_tokens(self, k: int):
         """:meth:`draft` without a host synchronisation: the tokens [k] as a
-        lazy array (the verify pass evaluates them with its own outputs), or
-        a list (nothing to draft, or a draft a batch computed)."""
+        lazy array (the verify pass evaluates them with its own outputs;
+        also a draft a batch computed), or an empty list (nothing to draft)."""
         self.check_draft_length(k)
         if self._draft_rows:
             raise RuntimeError("draft() called twice without accept()")
@@ -321,13 +321,13 @@ class MTPDrafter(Drafter):
         self._hm, self._logits = hm, logits
         self.verified += rows
 
-    def offer(self, k: int, tokens: List[int], logits: mx.array, probs=None):
+    def offer(self, k: int, tokens: mx.array, logits: mx.array, probs=None):
         """The draft ``draft(k)`` would make, computed elsewhere with its
         draft-time rows already dropped: the next ``draft(k)`` returns it.
-        tokens: [k]; logits: [k, V]; probs: [k, V] when sampled, else None."""
+        tokens: [k] (lazy); logits: [k, V]; probs: [k, V] when sampled, else None."""
         self._offered = (k, tokens, logits, probs)
 
-    def _take_offer(self, k: int) -> List[int]:
+    def _take_offer(self, k: int) -> mx.array:
         offered, tokens, self.last_draft_logits, self.draft_probs = self._offered
         self._offered = None
         if offered != k:
