@@ -49,6 +49,14 @@ _SLOPE_PRIOR_WEIGHT, _FIXED_PRIOR_WEIGHT = 0.5, 0.05
 # (decaying with _COST_DECAY per pass) falls below this: about every 28 passes,
 # so the cost line is anchored at k = 0, not extrapolated to it.
 _PLAIN_PROBE_WEIGHT = 0.25
+# A pass drafts one token more than the best draft length while the position
+# after it has fewer than DEPTH_EVIDENCE decayed trials, is reached (every
+# draft before it accepted) with probability DEPTH_REACH at least, and the
+# longer draft's expected speed is within DEPTH_MARGIN of the best: otherwise
+# a position whose old evidence is poor is never tested again (its estimate
+# only drifts back to the one before it) and drafting stays shorter than it
+# pays.
+DEPTH_EVIDENCE, DEPTH_REACH, DEPTH_MARGIN = 4.0, 0.5, 0.1
 HEAD_SOURCE = "mtp"  # the draft source of the model's MTP head
 
 
@@ -212,13 +220,21 @@ class DraftLengthPolicy:
     def choose(self, limit: int, context: int = PROFILE_CONTEXTS[0]) -> int:
         """Drafts for the next pass (after ``context`` tokens), at most ``limit``."""
         limit = min(limit, self.max_draft)
-        best = max(range(limit + 1), key=lambda k: self.expected_speed(k, context))
+        speeds = [self.expected_speed(k, context) for k in range(limit + 1)]
+        best = max(range(limit + 1), key=speeds.__getitem__)
         self.best = best
         if best == 0 and self.last_choice and self.probe_every > 1:
             # Drafting stopped (or a probe ran): the next probe waits by what
             # a draft costs, as fitted (a probe's own time: observe_pass).
             self._space_probes(self.pass_cost(1, context), context)
         best = reprobe(self, best, limit)
+        if 0 < self.best < limit and self.drafted[best] < DEPTH_EVIDENCE:
+            # A depth probe: the next position is barely tested (its estimate
+            # may be stale), likely reached, and one more draft looks nearly
+            # as good.
+            reach = math.prod(self.acceptance()[:best])
+            near = speeds[best + 1] >= (1 - DEPTH_MARGIN) * speeds[best]
+            best += reach >= DEPTH_REACH and near
         if best and self._fit_A[0][0] and self._plain_weight < _PLAIN_PROBE_WEIGHT:
             best, self.probing = 0, False  # a cost probe: what a plain pass takes now
         if self.group is not None:
