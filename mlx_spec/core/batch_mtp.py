@@ -18,8 +18,8 @@ every member's rows, at their own offsets. Then:
   and each drafter is offered its tokens (lazy: they are the verify pass's
   input), logits and q, which its ``draft_tokens(k)`` then returns.
 - :meth:`MTPBatch.draft_rows`: both, for the rows of a pass that draft from
-  their head's state. Nothing waits on the host: the verify pass is built on
-  top, and its one synchronisation evaluates the drafts too.
+  their head's state. The host waits for neither: the verify pass is built
+  on top, and its one synchronisation evaluates the drafts too.
 
 Every row sees only its own positions (per-row rope offsets and masks), so
 its tokens are those its own drafter computes alone; bit for bit wherever
@@ -99,12 +99,11 @@ class MTPBatch:
 
     def catch_up(self, mtps: List[MTPDrafter]) -> int:
         """Run the deferred rows of ``mtps`` (members) in one forward, started
-        on the device at once (nothing waits for it: the drafts and the
+        on the device at once (the host does not wait: the drafts and the
         verify pass are built on top); the positions it computed (0: nothing
-        ran). A member with
-        ``PENDING_ROWS`` deferred rows joins in anyway, which bounds what a
-        member holds; so does any member with no more rows than the
-        forward's length (its positions are computed anyway)."""
+        ran). A member with ``PENDING_ROWS`` deferred rows joins in anyway,
+        which bounds what a member holds; so does any member with no more
+        rows than the forward's length (its positions are computed anyway)."""
         needed = [
             b
             for b, m in enumerate(self.members)

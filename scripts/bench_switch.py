@@ -1,16 +1,23 @@
-"""Whole generations with the GDN layers started early and not, interleaved.
+"""Whole generations with one of mlx-spec's speed switches on and off, interleaved.
 
-mlx-spec hands each GDN layer's output to ``mx.async_eval`` as soon as its
-graph is built (``evaluate_early`` on its caches, see
-``mlx_spec/models/gdn.py``), so the device computes a verify pass's first
-layers while the host builds the rest. This script measures what that buys:
-for each workload, drafter and draft length it alternates generations with
-the layers started early and evaluated only at the end, checks that both
-give the same tokens, and prints the median tokens/s of each.
+Switches (``--switch``):
+
+- ``early-start``: each GDN layer's output goes to ``mx.async_eval`` as soon
+  as its graph is built (``evaluate_early`` on its caches, see
+  ``mlx_spec/models/gdn.py``), so the device computes a verify pass's first
+  layers while the host builds the rest;
+- ``depth-probes``: ``auto`` drafts one token more now and then while the
+  position after its choice is barely tested (``DEPTH_EVIDENCE`` in
+  ``mlx_spec/core/policy.py``; off: never).
+
+For each workload, drafter and draft length it alternates generations with
+the switch on and off, checks that both give the same tokens, and prints the
+median tokens/s of each.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-    python scripts/bench_early_start.py [--model DIR] [--workload free-main ...]
-        [--draft ngram mtp mtp+ngram] [--num-draft-tokens 3 auto] [--repeats 6]
+    python scripts/bench_switch.py [--switch early-start] [--model DIR]
+        [--workload free-main ...] [--draft ngram mtp mtp+ngram]
+        [--num-draft-tokens 3 auto] [--repeats 6]
 """
 
 import argparse
@@ -19,9 +26,21 @@ import statistics
 import time
 
 import mlx_spec
+import mlx_spec.core.policy as policy
 from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.core.state import GDNSlotCache
 from mlx_spec.demo import default_model_path
+
+
+def _early_start(on: bool):
+    GDNSlotCache.evaluate_early = on
+
+
+def _depth_probes(on: bool, default=policy.DEPTH_EVIDENCE):
+    policy.DEPTH_EVIDENCE = default if on else 0.0
+
+
+SWITCHES = {"early-start": _early_start, "depth-probes": _depth_probes}
 
 
 def generation(model, tok, prompt, draft, k, max_tokens):
@@ -36,6 +55,7 @@ def generation(model, tok, prompt, draft, k, max_tokens):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--switch", choices=sorted(SWITCHES), default="early-start")
     p.add_argument("--model", default=str(default_model_path()))
     p.add_argument(
         "--workload", nargs="+", default=["copy-function", "free-main", "free-class"]
@@ -54,7 +74,8 @@ def main():
     if unknown:
         p.error(f"unknown workload(s) {unknown}; known: {sorted(workloads)}")
     print(json.dumps(machine_info()), flush=True)
-    print(f"{'workload':14} {'draft':10} {'k':>4} {'early':>7} {'not':>7} {'ratio':>6}")
+    switch = SWITCHES[a.switch]
+    print(f"{'workload':14} {'draft':10} {'k':>4} {'on':>7} {'off':>7} {'ratio':>6}")
     for name in a.workload:
         prompt = workloads[name]["prompt"]
         for draft in a.draft:
@@ -62,8 +83,8 @@ def main():
                 speeds, first = {True: [], False: []}, None
                 for r in range(a.repeats + 1):  # the first round warms up
                     order = (True, False) if r % 2 else (False, True)
-                    for early in order:
-                        GDNSlotCache.evaluate_early = early
+                    for on in order:
+                        switch(on)
                         speed, tokens = generation(
                             model, tok, prompt, draft, k, a.max_tokens
                         )
@@ -71,8 +92,8 @@ def main():
                         if tokens != first:
                             raise SystemExit(f"{name} {draft} k={k}: tokens differ")
                         if r:
-                            speeds[early].append(speed)
-                GDNSlotCache.evaluate_early = True
+                            speeds[on].append(speed)
+                switch(True)
                 on, off = (statistics.median(speeds[e]) for e in (True, False))
                 print(
                     f"{name:14} {draft:10} {k!s:>4} {on:7.1f} {off:7.1f} "
