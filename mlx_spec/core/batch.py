@@ -127,7 +127,9 @@ class BatchDecoder:
         if auto and decoder.drafter is not None:  # one sequence's pass costs
             costs = verify_costs or verify_cost_profile(self.model)
             head = head_step_cost(self.model) or 0.0
-            policy = policies_by_source(costs, self.max_draft, self.group, None, head)
+            policy = policies_by_source(
+                costs, self.max_draft, self.group, head_cost=head
+            )
             self.lengths = self.lengths or PassLength(costs, self.group)
         id, self._next_id = self._next_id, self._next_id + 1
         row = _Row(id, decoder, sampler, policy, most, max_tokens, set(stop_tokens))
