@@ -156,7 +156,60 @@ def test_a_prompt_prefilled_in_chunks_leaves_the_head_as_one_forward(
     hm = head.head_hidden(mx.array(prompt[1:])[None], hidden[None], cache)
     P = len(prompt) - 1
     assert drafter.offset == P
-    got, want = drafter.cache[0].keys[..., :P, :], cache[0].keys[..., :P, :]
+    seen = P - (window or P)  # rows any later row attends to: [seen, P)
+    got, want = drafter.cache[0].keys[..., seen:P, :], cache[0].keys[..., seen:P, :]
     assert mx.allclose(got, want, atol=1e-5).item()
     fresh = head.logits(hm[:, -1:])[0, 0]
     assert mx.allclose(drafter.next_logits(), fresh, atol=1e-4).item()
+
+
+def _prefilled(head, prompt, hidden):
+    drafter = MTPDrafter(head)
+    drafter.hindsight()  # judge the prompt's last rows, as auto does
+    drafter.reset(prompt, hidden)
+    assert drafter.offset == drafter.verified == len(prompt) - 1
+    judged = drafter.hindsight()["mtp"]
+    return drafter, (drafter.next_logits(), judged), drafter.draft(3)
+
+
+def test_a_windowed_prefill_skips_the_rows_no_later_row_sees(models, monkeypatch):
+    """With a window, the prompt's head rows before the last two chunks are
+    never attended to again: they are not run (zeros stand for them), and
+    the cache rows later rows see, the next logits, the hindsight judgments of
+    the prompt's last rows and the drafts are bit for
+    bit those of running every chunk. Negative control: blanking one row more,
+    the first the last row attends to, changes the logits."""
+    model, _ = models["qwen3_next"]
+    head = model.mtp_head
+    monkeypatch.setattr(head, "attention_window", 6)
+    monkeypatch.setattr(mtp_module, "MIN_WINDOW_CHUNK", 4)
+    mx.random.seed(5)
+    prompt = list(range(3, 40))  # 36 rows: chunks 6 * 6, two of them run
+    hidden = mx.random.normal((len(prompt) - 1, head.hidden_size))
+    calls = []
+    rows = MTPDrafter._rows
+    monkeypatch.setattr(
+        MTPDrafter,
+        "_rows",
+        lambda d, t, *a, **k: calls.append(t.size) or rows(d, t, *a, **k),
+    )
+    skipping, logits, draft = _prefilled(head, prompt, hidden)
+    assert calls == [6, 6]
+    assert not mx.any(skipping.cache[0].keys[..., :24, :]).item()  # zeros
+
+    monkeypatch.setattr(MTPDrafter, "_skip_unseen", lambda d, bounds, dtype: bounds)
+    every, want_logits, want_draft = _prefilled(head, prompt, hidden)
+    assert mx.array_equal(logits[0], want_logits[0]).item() and draft == want_draft
+    assert logits[1] == want_logits[1] and logits[1][1] == 5
+    for got, want in zip(skipping.cache, every.cache):
+        assert mx.array_equal(got.keys[..., 30:36, :], want.keys[..., 30:36, :]).item()
+
+    def one_row_too_many(drafter, bounds, dtype):
+        skip = bounds[-2] + 1  # the last chunk's first row, which row 35 sees
+        drafter.head.blank_rows(drafter.cache, skip, dtype)
+        drafter.verified += skip
+        return [skip, bounds[-1]]
+
+    monkeypatch.setattr(MTPDrafter, "_skip_unseen", one_row_too_many)
+    _, short_logits, _ = _prefilled(head, prompt, hidden)
+    assert not mx.array_equal(short_logits[0], want_logits[0]).item()

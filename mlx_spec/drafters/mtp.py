@@ -185,6 +185,8 @@ class MTPDrafter(Drafter):
         chunk = min(chunk, PREFILL_CHUNK)
         # The shorter chunk first, so the last one holds the rows judged below.
         bounds = [0] + list(range(n % chunk or chunk, n + 1, chunk))
+        if window is not None:
+            bounds = self._skip_unseen(bounds, hidden.dtype)
         for start, stop in zip(bounds, bounds[1:]):
             hm = self._rows(tokens[start:stop], hidden[start:stop], judge=False)
             # Every chunk now, the last too: the head's prefill is prompt
@@ -197,6 +199,25 @@ class MTPDrafter(Drafter):
         if last > 1:  # one row is followed by no row to judge it against
             greedy = self.head.logits(hidden[stop - last + 1 : stop][None])
             self._judge(hm[:, -last:], mx.argmax(greedy, axis=-1)[0])
+
+    def _skip_unseen(self, bounds: List[int], dtype) -> List[int]:
+        """The prompt chunks (``bounds``) the prefill must run with an
+        attention window; the rows before them are written as zeros.
+
+        Later rows see only the last ``window`` positions, all in the last
+        chunk (a chunk is at least the window), where the rows judged in
+        hindsight are too; a chunk's rows attend into the chunk before, and
+        through each layer below one chunk further back, so the last
+        ``layers + 1`` chunks run, exactly as in a full prefill (same rows,
+        same shapes): the last chunk's cache rows, logits and judgments are
+        bit-identical. The rows before them are never attended to again."""
+        keep = len(self.head.layers) + 1  # chunks that must run
+        if len(bounds) <= keep + 1:
+            return bounds
+        bounds = bounds[-(keep + 1) :]
+        self.head.blank_rows(self.cache, bounds[0], dtype)
+        self.verified += bounds[0]
+        return bounds
 
     @property
     def state(self) -> List[mx.array]:

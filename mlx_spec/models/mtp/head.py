@@ -229,6 +229,15 @@ class MTPHead(nn.Module):
         dtype = mx.float16 if kernels.kernels_wanted() else None
         return [MTPKVCache(dtype, self.attention_window) for _ in self.layers]
 
+    def blank_rows(self, cache: List[MTPKVCache], n: int, dtype: mx.Dtype):
+        """Advance each layer's cache by ``n`` rows of zero keys and values:
+        positions that no later row attends to (outside every window), kept
+        so that the rows after them have their true rope positions."""
+        for layer, c in zip(self.layers, cache):
+            attn = layer.self_attn
+            zeros = mx.zeros((1, attn.num_key_value_heads, n, attn.head_dim), dtype)
+            c.update_and_fetch(zeros, zeros)
+
     def head_hidden(
         self,
         input_ids: mx.array,
