@@ -89,8 +89,11 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("make", [MTPDrafter, MTPNgramDrafter])
 def test_a_windowed_head_changes_no_token(models, family, make, monkeypatch):
-    """A window far shorter than the text: drafts change, tokens do not."""
+    """A window far shorter than the text: drafts change, tokens do not;
+    with chunks of the window's size the prefill skips the prompt's first
+    rows (zeros stand for them)."""
     model, tok = models[family]
+    monkeypatch.setattr(mtp_module, "MIN_WINDOW_CHUNK", 4)
     prompt = "def push(self, value: int) -> None:\n    x = value + value\n"
     want = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=24)]
     monkeypatch.setattr(model.mtp_head, "attention_window", 4)
@@ -110,6 +113,7 @@ def test_a_windowed_head_changes_no_token(models, family, make, monkeypatch):
         assert stats.drafted > 0 or k == "auto"  # the windowed head drafted
         mtp = drafter if isinstance(drafter, MTPDrafter) else drafter.mtp
         assert mtp.cache[0].window == 4 and mtp.offset == len(tok.encode(prompt)) + 23
+        assert not mx.any(mtp.cache[0].keys[..., :4, :]).item()  # skipped rows
 
 
 @pytest.mark.parametrize("window", [0, -3, 2.5, "512", True])
