@@ -8,7 +8,10 @@ Switches (``--switch``):
   layers while the host builds the rest;
 - ``depth-probes``: ``auto`` drafts one token more now and then while the
   position after its choice is barely tested (``DEPTH_EVIDENCE`` in
-  ``mlx_spec/core/policy.py``; off: never).
+  ``mlx_spec/core/policy.py``; off: never);
+- ``long-profile``: ``auto`` prices passes at long contexts from a profile
+  measured after ``LONG_CONTEXT`` tokens (``mlx_spec/core/verify_profile.py``;
+  off: after ``PREFILLED_LONG_CONTEXT``, as models that must prefill it are).
 
 For each workload, drafter and draft length it alternates generations with
 the switch on and off, checks that both give the same tokens, and prints the
@@ -26,6 +29,7 @@ import statistics
 
 import mlx_spec
 import mlx_spec.core.policy as policy
+import mlx_spec.core.verify_profile as verify_profile
 from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.core.state import GDNSlotCache
 from mlx_spec.demo import default_model_path
@@ -39,7 +43,17 @@ def _depth_probes(on: bool, default=policy.DEPTH_EVIDENCE):
     policy.DEPTH_EVIDENCE = default if on else 0.0
 
 
-SWITCHES = {"early-start": _early_start, "depth-probes": _depth_probes}
+def _long_profile(on: bool, default=verify_profile.LONG_CONTEXT):
+    verify_profile.LONG_CONTEXT = (
+        default if on else verify_profile.PREFILLED_LONG_CONTEXT
+    )
+
+
+SWITCHES = {
+    "early-start": _early_start,
+    "depth-probes": _depth_probes,
+    "long-profile": _long_profile,
+}
 
 
 def generation(model, tok, prompt, draft, k, max_tokens):

@@ -225,10 +225,10 @@ def test_drafting_time_seen_only_in_whole_passes_is_learned():
 
 
 def test_verify_cost_grows_with_context_between_the_profiles():
-    c0, c1 = policy.PROFILE_CONTEXTS
+    c0, c1 = policy.SHORT_CONTEXT, 3000
     short = [1.0 + 0.1 * t for t in range(9)]
     long = [s + 0.01 * (t + 1) * (c1 - c0) / 1000 for t, s in enumerate(short)]
-    p = DraftLengthPolicy(short, long_costs=long)
+    p = DraftLengthPolicy(short, long_profile=(c1, long))
     assert p.verify_cost(0, c0) == pytest.approx(short[0])
     assert p.verify_cost(4, c1) == pytest.approx(long[4])
     # linear in context beyond the long profile: +1000 tokens, +0.01 s per token verified
@@ -250,7 +250,7 @@ def gpu_like_costs(monkeypatch):
 
     def pin(model):
         costs = [1e-3 * (1 + 0.05 * t) for t in range(MAX_AUTO_DRAFT_TOKENS + 1)]
-        for context in policy.PROFILE_CONTEXTS:
+        for context in (policy.SHORT_CONTEXT, verify_profile.long_context(model)):
             monkeypatch.setitem(verify_profile._profiles, (id(model), context), costs)
 
     return pin
@@ -310,11 +310,11 @@ def test_passes_are_learned_at_the_context_they_ran_at(models, monkeypatch):
     chosen, observed = [], []
     choose, observe = DraftLengthPolicy.choose, DraftLengthPolicy.observe_pass
 
-    def spy_choose(self, limit, context=policy.PROFILE_CONTEXTS[0]):
+    def spy_choose(self, limit, context=policy.SHORT_CONTEXT):
         chosen.append(context)
         return choose(self, limit, context)
 
-    def spy_observe(self, n_drafted, seconds, context=policy.PROFILE_CONTEXTS[0]):
+    def spy_observe(self, n_drafted, seconds, context=policy.SHORT_CONTEXT):
         observed.append((chosen[-1], context))  # the pass's own choice
         return observe(self, n_drafted, seconds, context)
 
@@ -352,7 +352,7 @@ def test_passes_are_timed_only_over_their_own_forward(models, monkeypatch):
         window[0] = forwards[0]
         return verify(self, *args)
 
-    def spy_observe(self, n_drafted, seconds, context=policy.PROFILE_CONTEXTS[0]):
+    def spy_observe(self, n_drafted, seconds, context=policy.SHORT_CONTEXT):
         observed.append((n_drafted, forwards[0] - window[0]))
         return observe(self, n_drafted, seconds, context)
 

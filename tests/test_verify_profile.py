@@ -25,7 +25,7 @@ def fresh_profiles(monkeypatch, tmp_path):
     measured = []
     real = profile.measure_verify_costs
 
-    def measure(model, max_tokens, repeats=3, context=profile.PROFILE_CONTEXTS[0]):
+    def measure(model, max_tokens, repeats=3, context=profile.SHORT_CONTEXT):
         measured.append(max_tokens)
         return real(model, max_tokens, 1, context)
 
@@ -39,11 +39,11 @@ def test_profile_is_kept_on_disk_per_machine_mlx_and_model(
     model, other = models["qwen3_5"][0], models["qwen3_next"][0]
     costs = verify_cost_profile(model, 3)
     assert profile.profile_cache_file().exists() and fresh_profiles == [3]
-    long = verify_cost_profile(model, 3, context=profile.PROFILE_CONTEXTS[1])
+    long = verify_cost_profile(model, 3, context=profile.PREFILLED_LONG_CONTEXT)
     assert fresh_profiles == [3, 3]  # each context is measured once
     monkeypatch.setattr(profile, "_profiles", {})  # a new process
     assert verify_cost_profile(model, 3) == costs and fresh_profiles == [3, 3]
-    long_again = verify_cost_profile(model, 3, context=profile.PROFILE_CONTEXTS[1])
+    long_again = verify_cost_profile(model, 3, context=profile.PREFILLED_LONG_CONTEXT)
     assert long_again == long and fresh_profiles == [3, 3]
     fresh_profiles.clear()
     verify_cost_profile(other, 3)  # another model: measured
@@ -138,17 +138,39 @@ def test_a_long_scratch_context_is_written_not_prefilled(models, family):
     assert all(c.keys.shape[2] >= 300 and c.values.shape[2] >= 300 for c in kv)
 
 
-def test_caches_of_other_kinds_are_prefilled_whole(models, monkeypatch):
-    class OtherKV(profile.KVCache):  # not a plain KVCache: filled by the model
-        pass
+class _OtherKV(profile.KVCache):  # not a plain KVCache: filled by the model
+    pass
 
-    model = _Counting(models["qwen3_next"][0])
+
+@pytest.fixture
+def other_cache_kinds(monkeypatch):
+    """Call it and models' prompt caches hold _OtherKV where they held a
+    plain KVCache."""
     real = profile.make_prompt_cache
 
     def other_kinds(m):
-        return [OtherKV() if type(c) is profile.KVCache else c for c in real(m)]
+        return [_OtherKV() if type(c) is profile.KVCache else c for c in real(m)]
 
-    monkeypatch.setattr(profile, "make_prompt_cache", other_kinds)
+    return lambda: monkeypatch.setattr(profile, "make_prompt_cache", other_kinds)
+
+
+def test_caches_of_other_kinds_are_prefilled_whole(models, other_cache_kinds):
+    other_cache_kinds()
+    model = _Counting(models["qwen3_next"][0])
     cache = profile._scratch_cache(model, 64, 300)
     assert model.tokens == 300
-    assert all(c.offset == 300 for c in cache if isinstance(c, OtherKV))
+    assert all(c.offset == 300 for c in cache if isinstance(c, _OtherKV))
+
+
+def test_the_long_profile_is_far_from_the_short_one_where_it_is_cheap(
+    models, fresh_profiles, other_cache_kinds
+):
+    """A written scratch cache is profiled at LONG_CONTEXT (its growth with
+    context then stands out of the noise); one that must be prefilled, at the
+    shorter PREFILLED_LONG_CONTEXT."""
+    model = models["qwen3_next"][0]
+    short, (context, long) = profile.verify_cost_profiles(model)
+    assert context == profile.LONG_CONTEXT > 4 * profile.PREFILLED_LONG_CONTEXT
+    assert len(short) == len(long) and fresh_profiles == [len(short)] * 2
+    other_cache_kinds()
+    assert profile.long_context(model) == profile.PREFILLED_LONG_CONTEXT

@@ -4,8 +4,8 @@ The expected number of tokens a verify pass with ``k`` drafts yields is
 ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i``, where ``a_i`` is the probability that
 draft ``i`` is accepted given drafts ``1..i-1`` were. Its cost is modelled as
 the verify forward over ``1+k`` tokens at the current context length (the
-profile, measured once at two context lengths and interpolated: attention
-grows linearly with context), plus what the passes of this generation really
+profile, measured once at a short and a long context and interpolated:
+attention grows linearly with context), plus what the passes of this generation really
 took beyond their verify forward, learned online from every pass: a constant
 (host work, a busier machine), a fixed cost of a pass that drafts at all (the
 drafter catching up on the last pass's tokens) and a cost per draft (the
@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
 from ..models.pipeline import from_rank0
 from .least_squares import decayed, outer, solve_linear
-from .verify_profile import PROFILE_CONTEXTS, head_step_cost, verify_cost_profiles
+from .verify_profile import SHORT_CONTEXT, head_step_cost, verify_cost_profiles
 
 # Prior acceptance per position before any evidence, and its weight (in passes).
 _PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
@@ -79,14 +79,14 @@ def make_policy(model, verify_costs: Optional[List[float]] = None, group=None):
         return policies_by_source(verify_costs, group=group)
     short, long = verify_cost_profiles(model)
     head = head_step_cost(model) or 0.0
-    return policies_by_source(short, group=group, long_costs=long, head_cost=head)
+    return policies_by_source(short, group=group, long_profile=long, head_cost=head)
 
 
 def policies_by_source(
     costs: List[float],
     max_draft: int = MAX_AUTO_DRAFT_TOKENS,
     group=None,
-    long_costs: Optional[List[float]] = None,
+    long_profile: Optional[Tuple[int, List[float]]] = None,
     head_cost: float = 0.0,
 ) -> "SourcePolicies":
     """A :class:`DraftLengthPolicy` per draft source over the same profile;
@@ -97,7 +97,7 @@ def policies_by_source(
             costs,
             max_draft,
             group,
-            long_costs,
+            long_profile,
             draft_cost=head_cost if source == HEAD_SOURCE else 0.0,
         )
     )
@@ -120,9 +120,9 @@ def reprobe(policy, best: int, limit: int) -> int:
 class DraftLengthPolicy:
     """Online choice of the number of drafts per verify pass.
 
-    ``verify_costs`` / ``long_costs``: the profile after ``PROFILE_CONTEXTS``
-    tokens of context (seconds, index 0 = 1 token; without ``long_costs``
-    the cost does not grow with context). ``draft_cost``: seconds a draft
+    ``verify_costs``: the profile after ``SHORT_CONTEXT`` tokens of context
+    (seconds, index 0 = 1 token); ``long_profile``: (a longer context, its
+    profile), without which the cost does not grow with context. ``draft_cost``: seconds a draft
     costs beyond its verify forward, until drafts are timed (the profiled
     step of the MTP head, whose lazy drafts a host timer does not see).
     ``group``: the ranks of a pipeline, which time their passes differently
@@ -133,12 +133,12 @@ class DraftLengthPolicy:
         verify_costs: List[float],
         max_draft: int = MAX_AUTO_DRAFT_TOKENS,
         group=None,
-        long_costs: Optional[List[float]] = None,
+        long_profile: Optional[Tuple[int, List[float]]] = None,
         draft_cost: float = 0.0,
     ):
         self.group = group
         self.verify_costs = list(verify_costs)
-        self.long_costs = None if long_costs is None else list(long_costs)
+        self.long_profile = long_profile
         self.max_draft = min(max_draft, len(self.verify_costs) - 1)
         self.accepted = [0.0] * self.max_draft  # decayed counts per position
         self.drafted = [0.0] * self.max_draft
@@ -169,13 +169,13 @@ class DraftLengthPolicy:
     def verify_cost(self, k: int, context: int) -> float:
         """Seconds of a verify forward over 1 + k tokens after ``context``."""
         base = self.verify_costs[k]
-        if self.long_costs is None:
+        if self.long_profile is None:
             return base
-        c0, c1 = PROFILE_CONTEXTS
-        slope = max(self.long_costs[k] - base, 0.0) / (c1 - c0)
-        return base + slope * max(context - c0, 0)
+        c1, long = self.long_profile
+        slope = max(long[k] - base, 0.0) / (c1 - SHORT_CONTEXT)
+        return base + slope * max(context - SHORT_CONTEXT, 0)
 
-    def pass_cost(self, k: int, context: int = PROFILE_CONTEXTS[0]) -> float:
+    def pass_cost(self, k: int, context: int = SHORT_CONTEXT) -> float:
         """Expected seconds of a pass with ``k`` drafts after ``context`` tokens."""
         extra, fixed, slope = self.fitted_costs()
         drafting = fixed + slope * k if k else 0.0
@@ -212,7 +212,7 @@ class DraftLengthPolicy:
         """Learned seconds a pass takes beyond verify and drafting (None: no pass yet)."""
         return self.fitted_costs()[0] if self._fit_A[0][0] else None
 
-    def expected_speed(self, k: int, context: int = PROFILE_CONTEXTS[0]) -> float:
+    def expected_speed(self, k: int, context: int = SHORT_CONTEXT) -> float:
         """Expected tokens per second with ``k`` drafts."""
         tokens, survive = 1.0, 1.0
         for a in self.acceptance()[:k]:
@@ -220,7 +220,7 @@ class DraftLengthPolicy:
             tokens += survive
         return tokens / self.pass_cost(k, context)
 
-    def choose(self, limit: int, context: int = PROFILE_CONTEXTS[0]) -> int:
+    def choose(self, limit: int, context: int = SHORT_CONTEXT) -> int:
         """Drafts for the next pass (after ``context`` tokens), at most ``limit``."""
         limit = min(limit, self.max_draft)
         speeds = [self.expected_speed(k, context) for k in range(limit + 1)]
@@ -289,7 +289,7 @@ class DraftLengthPolicy:
         self.drafted[0] = self.drafted[0] * decay + weight
 
     def observe_pass(
-        self, n_drafted: int, seconds: float, context: int = PROFILE_CONTEXTS[0]
+        self, n_drafted: int, seconds: float, context: int = SHORT_CONTEXT
     ):
         """Record what a whole pass with ``n_drafted`` drafts took (seconds)."""
         if n_drafted > self.max_draft or not 0 < seconds < 60:

@@ -1,6 +1,6 @@
 """The cost profile behind ``auto``: what a target forward over T = 1..9
-tokens takes on this machine, after a short and a long context, and what one
-step of the model's MTP head takes.
+tokens takes on this machine, after a short and a long context (see
+:func:`long_context`), and what one step of the model's MTP head takes.
 
 Measured once per machine, MLX version, BLAS and model, kept for the process
 and on disk (:func:`profile_cache_file`), so later runs skip it.
@@ -21,8 +21,10 @@ from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
 from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
 from ..models.fingerprint import model_fingerprint
 
-# Context lengths (tokens before a pass) the verify costs are measured at.
-PROFILE_CONTEXTS = (32, 1056)
+# Context lengths (tokens before a pass) the verify costs are measured at: a
+# short one, and a long one far enough from it for the growth with context to
+# stand out of a busy machine's noise (see long_context).
+SHORT_CONTEXT, LONG_CONTEXT, PREFILLED_LONG_CONTEXT = 32, 8224, 1056
 SEED_TOKENS = 32  # tokens run through the model before a long scratch context
 
 CACHE_DIR_ENV = "MLX_SPEC_CACHE_DIR"  # default: ~/.cache/mlx_spec
@@ -34,7 +36,7 @@ def verify_cost_profile(
     model,
     max_tokens: int = MAX_AUTO_DRAFT_TOKENS + 1,
     repeats: int = 3,
-    context: int = PROFILE_CONTEXTS[0],
+    context: int = SHORT_CONTEXT,
 ):
     """Seconds of a target forward over T = 1..max_tokens tokens after
     ``context`` tokens; index 0 is T = 1.
@@ -56,7 +58,7 @@ def verify_cost_profile(
 
 def head_step_cost(model, repeats: int = 5) -> Optional[float]:
     """Seconds of one step of the model's MTP head (a row through its layer,
-    its logits and their argmax) after ``PROFILE_CONTEXTS[0]`` rows; None
+    its logits and their argmax) after ``SHORT_CONTEXT`` rows; None
     without a head. A drafting pass runs about one step per draft (the
     catch-up on the last pass's rows, then a step per draft after the
     first), which its host timer does not see: the drafts are lazy.
@@ -92,7 +94,7 @@ def _measure_head_step(head, repeats: int) -> float:
         mx.eval(mx.argmax(head.logits(hm)), [c.state for c in cache])
         return time.perf_counter() - tic
 
-    step(PROFILE_CONTEXTS[0])
+    step(SHORT_CONTEXT)
     times = []
     for _ in range(repeats + 1):  # the first warms the shape up
         times.append(step(1))
@@ -101,14 +103,29 @@ def _measure_head_step(head, repeats: int) -> float:
     return min(times[1:])
 
 
-def verify_cost_profiles(model) -> Tuple[List[float], List[float]]:
-    """The profile after each of ``PROFILE_CONTEXTS`` tokens (measured or cached)."""
-    short, long = (verify_cost_profile(model, context=c) for c in PROFILE_CONTEXTS)
-    return short, long
+def long_context(model) -> int:
+    """The long profile's context: ``LONG_CONTEXT`` tokens where a scratch
+    cache of that length is written without running the model over it (see
+    :func:`_scratch_cache`), else ``PREFILLED_LONG_CONTEXT`` (a prefill of
+    8k tokens would make a first run wait long on a CPU). At 1,056 tokens the
+    growth with context was lost in the noise of a busy machine: a 4-token
+    pass after 16k tokens was priced at 30 ms and took 46 (demo model, CPU)."""
+    return (
+        LONG_CONTEXT
+        if _written_directly(make_prompt_cache(model))
+        else PREFILLED_LONG_CONTEXT
+    )
+
+
+def verify_cost_profiles(model) -> Tuple[List[float], Tuple[int, List[float]]]:
+    """The profile after ``SHORT_CONTEXT`` tokens, and the long context's
+    length with its profile (measured or cached)."""
+    long = long_context(model)
+    return verify_cost_profile(model), (long, verify_cost_profile(model, context=long))
 
 
 def measure_verify_costs(
-    model, max_tokens: int, repeats: int = 3, context: int = PROFILE_CONTEXTS[0]
+    model, max_tokens: int, repeats: int = 3, context: int = SHORT_CONTEXT
 ) -> List[float]:
     """Time target forwards over T = 1..max_tokens tokens on this machine.
 
@@ -140,13 +157,12 @@ def _scratch_cache(model, vocab: int, context: int) -> list:
     """A prompt cache holding ``context`` tokens. A forward's cost depends on
     the cache's shapes, not on what it holds: when every cache that grows
     with the context is a plain ``KVCache``, a few random tokens go through
-    the model and the rest of the context is random key/value rows (the
-    long-context profile then costs about what the short one does: a
+    the model and the rest of the context is random key/value rows (a
     prefill of 1,056 tokens took most of a first run's profile, 6 of 9 s with
     the reference BLAS); otherwise all ``context`` tokens are prefilled."""
     cache = make_prompt_cache(model)
     growing = [c for c in cache if not isinstance(c, ArraysCache)]
-    direct = all(type(c) is KVCache for c in growing)
+    direct = _written_directly(cache)
     prefill = min(context, SEED_TOKENS) if direct else context
     for start in range(0, prefill, 512):
         n = min(512, prefill - start)
@@ -162,6 +178,12 @@ def _scratch_cache(model, vocab: int, context: int) -> list:
             )
         mx.eval([c.state for c in growing])
     return cache
+
+
+def _written_directly(cache: list) -> bool:
+    """Whether every cache in ``cache`` that grows with the context is a
+    plain ``KVCache`` (its rows can be written without the model)."""
+    return all(type(c) is KVCache for c in cache if not isinstance(c, ArraysCache))
 
 
 def profile_cache_file() -> Path:
@@ -181,7 +203,7 @@ def _profile_key(model, max_tokens: int, context) -> str:
         "model": model_fingerprint(model),
         "tokens": max_tokens,
     }
-    if context != PROFILE_CONTEXTS[0]:  # profiles stored before keep their key
+    if context != SHORT_CONTEXT:  # profiles stored before keep their key
         what["context"] = context
     if mx.metal.is_available():
         what["gpu"] = str(mx.device_info().get("device_name", ""))
