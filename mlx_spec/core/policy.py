@@ -5,12 +5,12 @@ The expected number of tokens a verify pass with ``k`` drafts yields is
 draft ``i`` is accepted given drafts ``1..i-1`` were. Its cost is modelled as
 the verify forward over ``1+k`` tokens at the current context length (the
 profile, measured once at a short and a long context and interpolated:
-attention grows linearly with context), plus what the passes of this generation really
-took beyond their verify forward, learned online from every pass: a constant
-(host work, a busier machine), a fixed cost of a pass that drafts at all (the
-drafter catching up on the last pass's tokens) and a cost per draft (the
-drafter's own forwards, which run on the device with the verify pass and are
-invisible to a host timer). The policy picks the ``k`` that maximises tokens
+attention grows linearly with context), plus what the passes of this
+generation really took beyond their verify forward, learned online from every
+pass: a constant (host work, a busier machine), a fixed cost of a pass that
+drafts at all (the drafter catching up on the last pass's tokens) and a cost
+per draft (the drafter's own forwards, which run on the device with the verify
+pass and are invisible to a host timer). The policy picks the ``k`` that maximises tokens
 per second, which is ``k = 0`` (plain decoding) whenever speculation does not
 pay; it then re-probes with one draft now and then, so a workload that becomes
 predictable is noticed, spaced by what a probe costs. While it drafts, the
@@ -122,9 +122,10 @@ class DraftLengthPolicy:
 
     ``verify_costs``: the profile after ``SHORT_CONTEXT`` tokens of context
     (seconds, index 0 = 1 token); ``long_profile``: (a longer context, its
-    profile), without which the cost does not grow with context. ``draft_cost``: seconds a draft
-    costs beyond its verify forward, until drafts are timed (the profiled
-    step of the MTP head, whose lazy drafts a host timer does not see).
+    profile), without which the cost does not grow with context.
+    ``draft_cost``: seconds a draft costs beyond its verify forward, until
+    drafts are timed (the profiled step of the MTP head, whose lazy drafts a
+    host timer does not see).
     ``group``: the ranks of a pipeline, which time their passes differently
     but must verify the same number of tokens: rank 0's choice is used."""
 
