@@ -12,6 +12,9 @@ Switches (``--switch``):
 - ``long-profile``: ``auto`` prices passes at long contexts from a profile
   measured after ``LONG_CONTEXT`` tokens (``mlx_spec/core/verify_profile.py``;
   off: after ``PREFILLED_LONG_CONTEXT``, as models that must prefill it are).
+- ``stall-bound``: ``auto``'s cost fits count a pass as at most
+  ``STALL_BOUND`` times what they expected (``mlx_spec/core/policy.py``;
+  off: every pass in full).
 
 For each workload, drafter and draft length it alternates generations with
 the switch on and off, checks that both give the same tokens, and prints the
@@ -49,10 +52,15 @@ def _long_profile(on: bool, default=verify_profile.LONG_CONTEXT):
     )
 
 
+def _stall_bound(on: bool, default=policy.STALL_BOUND):
+    policy.STALL_BOUND = default if on else float("inf")
+
+
 SWITCHES = {
     "early-start": _early_start,
     "depth-probes": _depth_probes,
     "long-profile": _long_profile,
+    "stall-bound": _stall_bound,
 }
 
 

@@ -1,8 +1,11 @@
 """The shared draft length of a batch's auto rows and its pass-cost model."""
 
+import math
+
 import mlx.core as mx
 import pytest
 
+import mlx_spec.core.policy as policy
 from mlx_spec.core.batch_policy import PassLength
 from mlx_spec.core.policy import PROBE_EVERY
 
@@ -110,3 +113,25 @@ def test_a_head_step_is_not_charged_with_the_catch_up_before_it():
         )
     step = policy.cost(4, 2, 1) - policy.cost(4, 2, 0)
     assert step == pytest.approx(0.005, rel=0.1)
+
+
+@pytest.mark.parametrize("bound", [policy.STALL_BOUND, math.inf])
+def test_two_stalled_passes_do_not_reshape_the_cost(monkeypatch, bound):
+    """Four rows at T = 1..3 costing 4 ms + 2 ms per position, then two
+    one-token passes the machine stalled on (90, 85 ms). Counted at most
+    STALL_BOUND times the expected cost, the cost still grows with T and
+    rows at 0.55 acceptance draft little; counted in full (the control),
+    one-token passes look dearer than four-token ones and they draft 8.
+    A lasting doubling of every pass is followed all the same."""
+    monkeypatch.setattr(policy, "STALL_BOUND", bound)
+    length = PassLength(PROFILE)
+    for i in range(100):
+        length.observe(4, 1 + i % 3, 0.004 + 0.008 * (1 + i % 3))
+    length.observe(4, 1, 0.09)
+    length.observe(4, 1, 0.085)
+    k, _ = length.choose(4, [([0.55] * 8, 8)] * 4)
+    grows = length.cost(4, 4) > length.cost(4, 2) > length.cost(4, 1)
+    assert (grows and k <= 2) if bound < math.inf else (not grows and k == 8)
+    for i in range(60):
+        length.observe(4, 1 + i % 3, 2 * (0.004 + 0.008 * (1 + i % 3)))
+    assert length.cost(4, 2) == pytest.approx(2 * 0.02, rel=0.05)

@@ -27,7 +27,8 @@ learning from the row's passes). The cost starts from the single-sequence
 profile (a line through it, gamma = 0) and is refitted from the batch's own
 timed passes (decayed least squares, the profile as prior passes, a few at
 first and never fewer than ``PRIOR_FLOOR``: passes that all have one shape,
-all at ``k = 0`` say, determine only one combination of the costs). After
+all at ``k = 0`` say, determine only one combination of the costs; a pass
+counts as at most ``STALL_BOUND`` times its expected cost). After
 ``PROBE_EVERY`` passes at ``k = 0``, one pass drafts one token, so
 acceptance that improves is noticed.
 """
@@ -36,6 +37,7 @@ from typing import List, Sequence, Tuple
 
 from ..models.pipeline import from_rank0
 from .least_squares import decayed, outer, solve_linear
+from . import policy
 from .policy import PROBE_EVERY, reprobe
 
 DECAY = 0.95  # weight of older passes in the cost fit
@@ -107,6 +109,8 @@ class PassLength:
         head steps and ``catch_up`` catch-up positions took ``seconds``."""
         if not 0 < seconds < 60:
             return  # a clock anomaly
+        bound = policy.STALL_BOUND * self.cost(rows, T, head_steps, catch_up)
+        seconds = min(seconds, bound)  # a stalled pass counts as a slow one
         f = _features(rows, T, head_steps, catch_up)
         self._theta = None  # refitted when next needed
         self._A = decayed(self._A, outer(f), DECAY, self._floor[0])

@@ -10,10 +10,11 @@ generation really took beyond their verify forward, learned online from every
 pass: a constant (host work, a busier machine), a fixed cost of a pass that
 drafts at all (the drafter catching up on the last pass's tokens) and a cost
 per draft (the drafter's own forwards, which run on the device with the verify
-pass and are invisible to a host timer). The policy picks the ``k`` that maximises tokens
-per second, which is ``k = 0`` (plain decoding) whenever speculation does not
-pay; it then re-probes with one draft now and then, so a workload that becomes
-predictable is noticed, spaced by what a probe costs. While it drafts, the
+pass and are invisible to a host timer); a pass the machine stalled on counts
+as at most ``STALL_BOUND`` times what was expected. The policy picks the ``k``
+that maximises tokens per second, which is ``k = 0`` (plain decoding) whenever
+speculation does not pay; it then re-probes with one draft now and then, so a
+workload that becomes predictable is noticed, spaced by what a probe costs. While it drafts, the
 position after its choice is tested again now and then (a depth probe) while
 that position has little recent evidence and one more draft looks nearly as
 good, so an estimate left low by old failures does not keep drafts short.
@@ -45,6 +46,11 @@ PROBE_STREAK_EVIDENCE = 4.0
 # catch-up included, costs about two plain passes: a wait of ~70).
 PROBE_BUDGET = 0.03
 _COST_DECAY = 0.95  # forgetting of older passes in the learned pass cost
+# A timed pass counts as at most this many times what the cost fit expected:
+# a few passes the machine stalled on (seen here: 85-100 ms among 20 ms ones)
+# must not price every later pass. A lasting slowdown is still followed: the
+# bound rises with what the fit expects.
+STALL_BOUND = 1.5
 # Trust in the host-timed draft cost, in one-draft passes' worth of evidence,
 # and (far weaker) in a fixed cost of drafting of 0 (see fitted_costs).
 _SLOPE_PRIOR_WEIGHT, _FIXED_PRIOR_WEIGHT = 0.5, 0.05
@@ -299,9 +305,10 @@ class DraftLengthPolicy:
             self._warm.add(n_drafted)
             return
         if n_drafted and self.best == 0 and self.probe_every > 1:
-            self._space_probes(seconds, context)
+            self._space_probes(seconds, context)  # what this probe took
         self._plain_weight = _COST_DECAY * self._plain_weight + (n_drafted == 0)
-        k, r = n_drafted, seconds - self.verify_cost(n_drafted, context)
+        counted = min(seconds, STALL_BOUND * self.pass_cost(n_drafted, context))
+        k, r = n_drafted, counted - self.verify_cost(n_drafted, context)
         x = [1.0, float(k > 0), float(k)]
         self._fit_A = decayed(self._fit_A, outer(x), _COST_DECAY)
         self._fit_b = decayed(self._fit_b, [a * r for a in x], _COST_DECAY)
