@@ -198,13 +198,11 @@ def test_what_passes_really_take_enters_the_choice():
     assert policy.choose(1) == 0  # 1.6 tokens for 2x the cost
     policy.observe_pass(0, 11e-3)  # a warm-up pass: not counted
     assert policy.extra is None
-    # A pass counts as at most STALL_BOUND times what the fit expects, so a
-    # cost 10x the profile's takes some passes to be learned in full.
-    for _ in range(60):
+    for _ in range(40):
         policy.observe_pass(0, 11e-3)
         policy.observe_pass(1, 12e-3)
-    assert policy.extra == pytest.approx(10e-3, rel=0.01)
-    assert policy.pass_cost(1) / policy.pass_cost(0) == pytest.approx(12 / 11, rel=0.01)
+    assert policy.extra == pytest.approx(10e-3)
+    assert policy.pass_cost(1) / policy.pass_cost(0) == pytest.approx(12 / 11)
     assert policy.choose(1) == 1  # 1.6 tokens for 1.09x the cost
 
 
@@ -212,19 +210,22 @@ def test_what_passes_really_take_enters_the_choice():
 def test_a_few_stalled_passes_do_not_price_the_rest(monkeypatch, bound):
     """Passes of 20 ms (8 ms beyond the profile), two early ones stalled
     (90, 85 ms): counted at most STALL_BOUND times what the fit expected, the
-    extra stays near 8 ms, where a draft at ~0.5 acceptance does not pay. In
-    full (the control) it is above 25 ms three passes later: it drafts."""
+    extra stays under 18 ms, where a draft at ~0.5 acceptance (a 2-token
+    verify: 2.5x) never pays. In full (the control) it drafts for a while."""
     monkeypatch.setattr(policy, "STALL_BOUND", bound)
-    p = DraftLengthPolicy([12e-3 * (1 + t) for t in range(9)])
+    p = DraftLengthPolicy([12e-3 + 18e-3 * t for t in range(9)])
     for _ in range(20):
         p.update(1, 1)
         p.update(1, 0)
-    for seconds in [20e-3, 20e-3, 90e-3, 85e-3] + [20e-3] * 3:
+    extras, choices = [], []
+    for seconds in [20e-3, 20e-3, 90e-3, 85e-3] + [20e-3] * 4:
         p.observe_pass(0, seconds)  # the first: a warm-up pass, not counted
+        extras.append(p.extra or 0.0)
+        choices.append(p.choose(1))
     if bound == math.inf:
-        assert p.extra > 25e-3 and p.choose(1) == 1
+        assert max(extras) > 50e-3 and choices[2:6] == [1] * 4
     else:
-        assert p.extra < 12e-3 and p.choose(1) == 0
+        assert max(extras) < 18e-3 and choices == [0] * 8
     # A lasting slowdown (every pass twice as slow) is followed all the same.
     for _ in range(60):
         p.observe_pass(0, 40e-3)

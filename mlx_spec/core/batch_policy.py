@@ -28,7 +28,8 @@ profile (a line through it, gamma = 0) and is refitted from the batch's own
 timed passes (decayed least squares, the profile as prior passes, a few at
 first and never fewer than ``PRIOR_FLOOR``: passes that all have one shape,
 all at ``k = 0`` say, determine only one combination of the costs; a pass
-counts as at most ``STALL_BOUND`` times its expected cost). After
+of a shape seen before counts as at most ``STALL_BOUND`` times its expected
+cost). After
 ``PROBE_EVERY`` passes at ``k = 0``, one pass drafts one token, so
 acceptance that improves is noticed.
 """
@@ -37,8 +38,7 @@ from typing import List, Sequence, Tuple
 
 from ..models.pipeline import from_rank0
 from .least_squares import decayed, outer, solve_linear
-from . import policy
-from .policy import PROBE_EVERY, reprobe
+from .policy import PROBE_EVERY, counted_seconds, reprobe
 
 DECAY = 0.95  # weight of older passes in the cost fit
 PRIOR_WEIGHT = 4.0  # the profile counts as this many passes at first
@@ -90,6 +90,7 @@ class PassLength:
         floor[2][2] = floor[3][3] = (1 - DECAY) * GAMMA_PULL
         self._floor = (floor, [(1 - DECAY) * PRIOR_FLOOR * b for b in b0])
         self._theta = None  # the fitted (alpha, beta, gamma, delta)
+        self._counted: set = set()  # (rows, T, head steps) of passes fitted
         self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
         self.last = None  # the last (k, k_h) chosen
 
@@ -109,8 +110,10 @@ class PassLength:
         head steps and ``catch_up`` catch-up positions took ``seconds``."""
         if not 0 < seconds < 60:
             return  # a clock anomaly
-        bound = policy.STALL_BOUND * self.cost(rows, T, head_steps, catch_up)
-        seconds = min(seconds, bound)  # a stalled pass counts as a slow one
+        expected = self.cost(rows, T, head_steps, catch_up)
+        seconds = counted_seconds(
+            self._counted, (rows, T, head_steps), seconds, expected
+        )
         f = _features(rows, T, head_steps, catch_up)
         self._theta = None  # refitted when next needed
         self._A = decayed(self._A, outer(f), DECAY, self._floor[0])

@@ -46,10 +46,8 @@ PROBE_STREAK_EVIDENCE = 4.0
 # catch-up included, costs about two plain passes: a wait of ~70).
 PROBE_BUDGET = 0.03
 _COST_DECAY = 0.95  # forgetting of older passes in the learned pass cost
-# A timed pass counts as at most this many times what the cost fit expected:
-# a few passes the machine stalled on (seen here: 85-100 ms among 20 ms ones)
-# must not price every later pass. A lasting slowdown is still followed: the
-# bound rises with what the fit expects.
+# A timed pass counts as at most this many times what the cost fit expected,
+# once a pass of its shape was counted (see counted_seconds).
 STALL_BOUND = 1.5
 # Trust in the host-timed draft cost, in one-draft passes' worth of evidence,
 # and (far weaker) in a fixed cost of drafting of 0 (see fitted_costs).
@@ -109,6 +107,21 @@ def policies_by_source(
     )
 
 
+def counted_seconds(seen: set, shape, seconds: float, expected: float) -> float:
+    """What a cost fit counts for a timed pass of ``shape`` that took
+    ``seconds`` where it expected ``expected``: at most ``STALL_BOUND`` times
+    that once a pass of the same shape was counted (``seen``, updated). A few
+    passes the machine stalled on (seen here: 85-100 ms among 20 ms ones) must
+    not price every later pass, while a shape's first pass is news the fit
+    needs whole (the MTP head's first drafting pass took twice what the
+    profile said). A lasting slowdown is followed: the bound rises with the
+    fit."""
+    if shape not in seen:
+        seen.add(shape)
+        return seconds
+    return min(seconds, STALL_BOUND * expected)
+
+
 def reprobe(policy, best: int, limit: int) -> int:
     """``best``, except one draft after ``policy.probe_every`` passes at
     k = 0 (acceptance may have changed); counts ``policy.passes_at_zero`` and
@@ -157,6 +170,7 @@ class DraftLengthPolicy:
         self._fitted = None  # (extra, fixed, per draft) until a pass changes them
         self._plain_weight = 0.0  # decayed count of timed passes without drafts
         self._warm: set = set()  # draft counts past their first (warm-up) pass
+        self._counted: set = set()  # draft counts with a pass in the cost fit
         self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
         self.last_choice = self.best = 0
 
@@ -307,8 +321,9 @@ class DraftLengthPolicy:
         if n_drafted and self.best == 0 and self.probe_every > 1:
             self._space_probes(seconds, context)  # what this probe took
         self._plain_weight = _COST_DECAY * self._plain_weight + (n_drafted == 0)
-        counted = min(seconds, STALL_BOUND * self.pass_cost(n_drafted, context))
-        k, r = n_drafted, counted - self.verify_cost(n_drafted, context)
+        expected = self.pass_cost(n_drafted, context)
+        seconds = counted_seconds(self._counted, n_drafted, seconds, expected)
+        k, r = n_drafted, seconds - self.verify_cost(n_drafted, context)
         x = [1.0, float(k > 0), float(k)]
         self._fit_A = decayed(self._fit_A, outer(x), _COST_DECAY)
         self._fit_b = decayed(self._fit_b, [a * r for a in x], _COST_DECAY)
