@@ -14,10 +14,11 @@ pass and are invisible to a host timer); a pass the machine stalled on counts
 as at most ``STALL_BOUND`` times what was expected. The policy picks the ``k``
 that maximises tokens per second, which is ``k = 0`` (plain decoding) whenever
 speculation does not pay; it then re-probes with one draft now and then, so a
-workload that becomes predictable is noticed, spaced by what a probe costs. While it drafts, the
-position after its choice is tested again now and then (a depth probe) while
-that position has little recent evidence and one more draft looks nearly as
-good, so an estimate left low by old failures does not keep drafts short.
+workload that becomes predictable is noticed, spaced by what a probe costs.
+While it drafts, the position after its choice is tested again now and then
+(a depth probe) while that position has little recent evidence and one more
+draft looks nearly as good, so an estimate left low by old failures does not
+keep drafts short.
 """
 
 import math
