@@ -146,16 +146,7 @@ class BatchDecoder:
         if self.heads is not None and mtp in self.heads:
             self.heads.leave(mtp)
         for mine, theirs in zip(self.caches, decoder.cache.caches):
-            if isinstance(mine, RaggedKVCache):
-                keys, values = mine.row(b)
-                if keys is not None:
-                    theirs.keys, theirs.values = mx.array(keys), mx.array(values)
-                    theirs.offset = keys.shape[2]
-                mine.remove_row(b)
-            else:
-                if mine.cache[0] is not None:
-                    theirs.cache = [mx.array(a[b : b + 1]) for a in mine.cache]
-                mine.remove_row(b)
+            mine.take_row(b, theirs)
         return decoder
 
     def _join_head(self, drafter):

@@ -71,12 +71,7 @@ class MTPBatch:
         b = next(i for i, m in enumerate(self.members) if m is mtp)
         own = self._own.pop(id(mtp))
         for mine, theirs in zip(self.caches, own):
-            keys, values = mine.row(b)
-            theirs.keys = theirs.values = None
-            if keys is not None:
-                theirs.keys, theirs.values = mx.array(keys), mx.array(values)
-            theirs.offset = mine.offsets[b]
-            mine.remove_row(b)
+            mine.take_row(b, theirs)
         self.members.pop(b)
         mtp.cache, mtp.pending_limit = own, PENDING_ROWS
 

@@ -3,8 +3,8 @@
 Used by :class:`~mlx_spec.core.batch.BatchDecoder` for the target's attention
 layers and by :class:`~mlx_spec.core.batch_mtp.MTPBatch` for the MTP head's
 one layer. Rows join (:meth:`RaggedKVCache.append_row`, from a single
-sequence's ``KVCache``) and leave (:meth:`RaggedKVCache.row`,
-:meth:`RaggedKVCache.remove_row`) between passes; a pass writes ``T`` new
+sequence's ``KVCache``) and leave (:meth:`RaggedKVCache.take_row`, back
+into one) between passes; a pass writes ``T`` new
 positions after every row's own offset, and a row that keeps fewer moves its
 offset back (:meth:`RaggedKVCache.trim_rows`).
 """
@@ -129,6 +129,16 @@ class RaggedKVCache:
         if self.keys is None or o == 0:
             return None, None
         return self.keys[b : b + 1, :, :o, :], self.values[b : b + 1, :, :o, :]
+
+    def take_row(self, b: int, cache):
+        """Move row ``b`` out into the single-sequence ``KVCache`` ``cache``
+        (its tokens copied, nothing else kept) and drop it here."""
+        keys, values = self.row(b)
+        cache.keys = cache.values = None
+        if keys is not None:
+            cache.keys, cache.values = mx.array(keys), mx.array(values)
+        cache.offset = self.offsets[b]
+        self.remove_row(b)
 
     @property
     def nbytes(self) -> int:

@@ -150,6 +150,13 @@ class GDNSlotCache(ArraysCache):
         ]
         self.cache = [mx.concatenate([a, n]) for a, n in zip(self.cache, new)]
 
+    def take_row(self, b: int, cache: ArraysCache):
+        """Move row ``b`` out into the single-sequence ``cache`` and drop it
+        here (a batch still at the zero state leaves ``cache`` as it is)."""
+        if self.cache[0] is not None:
+            cache.cache = [mx.array(a[b : b + 1]) for a in self.cache]
+        self.remove_row(b)
+
     def remove_row(self, b: int):
         """Drop row ``b`` (the last one leaves the shapes unset again)."""
         if self.cache[0] is not None and self.cache[0].shape[0] == 1:
