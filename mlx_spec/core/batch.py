@@ -31,7 +31,7 @@ import mlx.core as mx
 from ..models.gdn import make_verifiable
 from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
-from .batch_policy import PassLength
+from .batch_policy import PassLength, draft_lengths
 from .decode import SpeculativeDecoder
 from .policy import SourcePolicies, policies_by_source
 from .verify_profile import head_step_cost, verify_cost_profile
@@ -182,7 +182,7 @@ class BatchDecoder:
         if not active:
             return {}
         tic = time.perf_counter()
-        ks = self._draft_lengths(active)  # policies count this pass, queued or not
+        ks = draft_lengths(self.rows, active, self.lengths)  # counts this pass
         queued, self._queued = self._queued, None
         if queued is not None:  # it was started over every row's one token
             ks = dict.fromkeys(active, 0)
@@ -211,17 +211,16 @@ class BatchDecoder:
         for b in active:
             row, draft = self.rows[b], drafts[b]
             q = row.decoder.drafter.draft_probs if len(draft) else None
+            scores = logprobs[b, : lengths[b]]  # [1 + len(draft), V]
             if plain is not None:  # sampled as verify_draft samples a plain pass
                 n, token = 0, plain[b]
             else:
-                n, token = verify_draft(
-                    draft, logprobs[b, : lengths[b]], row.sampler, q
-                )
+                n, token = verify_draft(draft, scores, row.sampler, q)
             draft = draft.tolist() if isinstance(draft, mx.array) else draft
             emitted = self._truncate(row, draft[:n] + [token])
             j = len(emitted)
             kept[b] = j + (row.done and j <= n)
-            out[row.id] = (emitted, logprobs[b, :j])
+            out[row.id] = (emitted, scores[:j])
             if row.policy:  # it learns what drafting costs, as alone
                 row.policy.update(len(draft), n, seconds[b])
             h = None if hidden is None else hidden[b]
@@ -289,65 +288,6 @@ class BatchDecoder:
         if self._queued is not None:
             self._queued = None
             self._commit_caches([0] * len(self.rows), 1)
-
-    def _draft_lengths(self, active: List[int]) -> Dict[int, int]:
-        """Each active row's draft length. A fixed number stays; ``auto``
-        rows share the lengths :class:`PassLength` chooses for the batch, one
-        for the rows drafting copies, one for the rows drafting with the MTP
-        head (a row alone: its own policy's choice). Then a copy row drafting
-        less than the longest draft drafts up to that length as far as it
-        may: the pass computes every row over the same ``1 + longest``
-        positions, so those drafts cost nothing. A head row's would not:
-        each of its drafts is a head step."""
-        ks, caps, auto, heads, judged = {}, {}, [], set(), 0
-        for b in active:
-            row = self.rows[b]
-            room = min(row.max_draft, row.remaining - 1)
-            if row.decoder.drafter is None:
-                ks[b] = caps[b] = 0
-                continue
-            caps[b] = room if row.policy is None else min(room, row.decoder.max_draft)
-            # its source (heads are caught up later, together)
-            if row.policy is not None:
-                judged += row.policy.exchange(row.decoder.drafter)
-            source = row.decoder.draft_source(caps[b], look=False)
-            head = head_drafter(row.decoder.drafter)
-            if head is not None and (source == "mtp" or head is row.decoder.drafter):
-                heads.add(b)
-            if row.policy is None:
-                ks[b] = room
-            else:
-                row.policy.select(source)
-                auto.append(b)
-        if len(auto) == len(self.rows) == 1:  # alone: as one sequence
-            (b,) = auto
-            row = self.rows[b]
-            room = min(row.max_draft, row.remaining - 1)
-            ks[b] = row.policy.active.choose(room, len(row.decoder.history))
-        elif auto:
-            if judged:  # as for one sequence, judgements stand in for probes
-                self.lengths.passes_at_zero = 0
-
-            def group(with_head: bool):
-                return [
-                    (self.rows[b].policy.active.acceptance(), caps[b])
-                    for b in auto
-                    if (b in heads) == with_head
-                ]
-
-            k, k_head = self.lengths.choose(
-                len(self.rows),
-                group(False),
-                max(ks.values(), default=0),
-                float(len(ks)),  # rows not auto: one token each, at least
-                group(True),
-                max((ks[b] for b in heads if b in ks), default=0),
-            )
-            ks.update({b: min(k_head if b in heads else k, caps[b]) for b in auto})
-        longest = max(ks.values())
-        return {
-            b: k if b in heads else max(k, min(longest, caps[b])) for b, k in ks.items()
-        }
 
     def _draft(self, row: _Row, k: int) -> Tuple[list, Optional[float]]:
         """The row's draft of up to ``k`` tokens (a list, or a lazy array

@@ -34,9 +34,10 @@ cost). After
 acceptance that improves is noticed.
 """
 
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from ..models.pipeline import from_rank0
+from .batch_mtp import head_drafter
 from .least_squares import decayed, outer, solve_linear
 from .policy import PROBE_EVERY, counted_seconds, reprobe
 
@@ -162,3 +163,65 @@ class PassLength:
         """Whether the next choice drafts nothing (said before it is made):
         the last one drafted nothing and no probe is due."""
         return self.last == (0, 0) and self.passes_at_zero + 1 < self.probe_every
+
+
+def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int]:
+    """Each active row's draft length (``rows``: a
+    :class:`~mlx_spec.core.batch.BatchDecoder`'s,
+    ``active``: the indices of those decoding). A fixed number stays; ``auto``
+    rows share the lengths :class:`PassLength` chooses for the batch, one
+    for the rows drafting copies, one for the rows drafting with the MTP
+    head (a row alone: its own policy's choice). Then a copy row drafting
+    less than the longest draft drafts up to that length as far as it
+    may: the pass computes every row over the same ``1 + longest``
+    positions, so those drafts cost nothing. A head row's would not:
+    each of its drafts is a head step."""
+    ks, caps, auto, heads, judged = {}, {}, [], set(), 0
+    for b in active:
+        row = rows[b]
+        room = min(row.max_draft, row.remaining - 1)
+        if row.decoder.drafter is None:
+            ks[b] = caps[b] = 0
+            continue
+        caps[b] = room if row.policy is None else min(room, row.decoder.max_draft)
+        # its source (heads are caught up later, together)
+        if row.policy is not None:
+            judged += row.policy.exchange(row.decoder.drafter)
+        source = row.decoder.draft_source(caps[b], look=False)
+        head = head_drafter(row.decoder.drafter)
+        if head is not None and (source == "mtp" or head is row.decoder.drafter):
+            heads.add(b)
+        if row.policy is None:
+            ks[b] = room
+        else:
+            row.policy.select(source)
+            auto.append(b)
+    if len(auto) == len(rows) == 1:  # alone: as one sequence
+        (b,) = auto
+        row = rows[b]
+        room = min(row.max_draft, row.remaining - 1)
+        ks[b] = row.policy.active.choose(room, len(row.decoder.history))
+    elif auto:
+        if judged:  # as for one sequence, judgements stand in for probes
+            lengths.passes_at_zero = 0
+
+        def group(with_head: bool):
+            return [
+                (rows[b].policy.active.acceptance(), caps[b])
+                for b in auto
+                if (b in heads) == with_head
+            ]
+
+        k, k_head = lengths.choose(
+            len(rows),
+            group(False),
+            max(ks.values(), default=0),
+            float(len(ks)),  # rows not auto: one token each, at least
+            group(True),
+            max((ks[b] for b in heads if b in ks), default=0),
+        )
+        ks.update({b: min(k_head if b in heads else k, caps[b]) for b in auto})
+    longest = max(ks.values())
+    return {
+        b: k if b in heads else max(k, min(longest, caps[b])) for b, k in ks.items()
+    }

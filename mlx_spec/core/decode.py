@@ -9,31 +9,11 @@ from ..drafters.base import MAX_AUTO_DRAFT_TOKENS, as_drafter
 from ..mlx_lm_compat import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 from ..models.pipeline import pipeline_group
 from .policy import make_policy, most_drafts
-from .sampling import make_draft_sampler, make_sampler
+from .sampling import make_draft_sampler, make_sampler, scored_logprobs
 from .state import SpeculativeCache
 from .stats import PhaseClock, SpecStats
 from .target import Target, queue_after
 from .verify import verify_draft
-
-
-def _score(
-    logits: mx.array, history: List[int], draft: List[int], processors
-) -> mx.array:
-    """Log-probabilities [T, V] for each verified position.
-
-    Logits processors see, for position i, the history plus ``draft[:i]``:
-    the same tokens plain decoding would have shown them.
-    """
-    if processors:
-        rows = []
-        for i in range(logits.shape[0]):
-            tokens = mx.array(history + draft[:i])
-            row = logits[i : i + 1]
-            for p in processors:
-                row = p(tokens, row)
-            rows.append(row)
-        logits = mx.concatenate(rows, axis=0)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 class SpeculativeDecoder:
@@ -173,7 +153,7 @@ class SpeculativeDecoder:
         if processors and isinstance(draft, mx.array):
             draft = draft.tolist()  # processors see host token lists
         seen = self.history if history is None else history
-        logprobs = _score(logits, seen, draft, processors)
+        logprobs = scored_logprobs(logits, seen, draft, processors)
         if queue_plain and not len(draft) and not processors:
             choice = sampler(logprobs)  # [1], lazy
             self._queued = queue_after(

@@ -125,6 +125,26 @@ def rejection_sample(
     return mx.stack([n, tokens[n].astype(n.dtype)])
 
 
+def scored_logprobs(
+    logits: mx.array, history: List[int], draft: List[int], processors
+) -> mx.array:
+    """Log-probabilities [T, V] of a verify pass's logits [T, V].
+
+    Logits processors see, for position i, the history plus ``draft[:i]``:
+    the same tokens plain decoding would have shown them.
+    """
+    if processors:
+        rows = []
+        for i in range(logits.shape[0]):
+            tokens = mx.array(history + draft[:i])
+            row = logits[i : i + 1]
+            for p in processors:
+                row = p(tokens, row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def make_draft_sampler(sampler, processors, history: List[int]):
     """How a drafter turns its logits into a draft token when sampling.
 
