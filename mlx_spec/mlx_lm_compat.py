@@ -49,7 +49,12 @@ from mlx_lm.models.switch_layers import (
     SwitchGLU,
     SwitchLinear,
 )
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+)
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model
@@ -99,6 +104,7 @@ __all__ = [
     "generation_stream",
     "load",
     "load_prompt_cache",
+    "make_logits_processors",
     "make_prompt_cache",
     "maybe_quantize_kv_cache",
     "mlx_lm_make_sampler",

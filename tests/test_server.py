@@ -109,6 +109,27 @@ def test_completion_equals_mlx_lm_and_mlx_spec_greedy(client, plain, server):
     assert spec["verify_passes"] >= 1 and 0 <= spec["accepted"] <= spec["drafted"]
 
 
+def test_penalties_and_logit_bias_equal_mlx_lm(client, plain):
+    """mlx_lm.server's logits-processing fields: the text mlx-lm decodes with
+    the same processors (which differs from the plain text)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    args = dict(repetition_penalty=1.5, repetition_context_size=8)
+    bias = {11: 4.0, 12: -9.0}
+    procs = make_logits_processors(logit_bias=bias, **args)
+    model, tok = plain
+    prompt = tok.encode(PROMPT)
+    want = mlx_lm.generate(model, tok, prompt, max_tokens=24, logits_processors=procs)
+    r = client.completions.create(
+        model=MODEL_ID,
+        prompt=PROMPT,
+        max_tokens=24,
+        logit_bias={str(t): v for t, v in bias.items()},
+        extra_body=args,
+    )
+    assert r.choices[0].text == want != reference(plain, prompt, 24)
+
+
 @pytest.mark.parametrize("draft", ["ngram", "none"])
 def test_chat_equals_mlx_lm_greedy_streaming_or_not(client, plain, draft):
     want = reference(plain, chat_tokens(plain, CHAT), 20)
@@ -261,7 +282,11 @@ BAD = [
     ),
     ("/v1/completions", {"prompt": 7}, None, 400),
     ("/v1/completions", {"prompt": "x", "n": 2}, None, 400),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 3}}, None, 400),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"512": 3}}, None, 400),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 3}}, None, 400),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 300}}, None, 400),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": -1}, None, 400),
+    ("/v1/completions", None, b'{"prompt": "x", "temperature": NaN}', 400),
     ("/v1/nothing", {}, None, 404),
 ]
 

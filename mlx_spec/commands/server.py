@@ -101,14 +101,15 @@ def setup_parser():
     return p
 
 
-def context_length(model):
+def config_int(model, name: str):
+    """A positive integer of the model's config (or its ``text_config``)."""
     args = getattr(model, "args", None)
     text = getattr(args, "text_config", None)
     for source in (args, text if isinstance(text, dict) else None):
         if isinstance(source, dict):
-            value = source.get("max_position_embeddings")
+            value = source.get(name)
         else:
-            value = getattr(source, "max_position_embeddings", None)
+            value = getattr(source, name, None)
         if isinstance(value, int) and value > 0:
             return value
     return None
@@ -158,7 +159,8 @@ def main(argv=None):
             "min_p": args.min_p,
             "max_tokens": args.max_tokens,
         },
-        context_length=context_length(model),
+        context_length=config_int(model, "max_position_embeddings"),
+        vocab_size=config_int(model, "vocab_size"),
         chat_template_args=args.chat_template_args,
     )
     with bad_input(OSError):

@@ -15,9 +15,10 @@ empty slot). Each :meth:`step`:
 2. the target runs once over ``[B, T]`` tokens, ``T = 1 + the longest draft``;
    shorter rows are padded at the end and masked (attention: each row sees
    only its own positions; GDN: padded tokens leave the state unchanged);
-3. each row verifies its own draft (greedy, or rejection sampling with its
-   own sampler) and commits its own accepted prefix: attention rows move
-   their own offsets back, GDN rows take their own per-token state.
+3. each row verifies its own draft (its own logits processors, then greedy
+   or rejection sampling with its own sampler) and commits its own accepted
+   prefix: attention rows move their own offsets back, GDN rows take their
+   own per-token state.
 
 So each row's tokens are those it would get decoded alone.
 """
@@ -36,7 +37,7 @@ from .decode import SpeculativeDecoder
 from .policy import SourcePolicies, policies_by_source
 from .verify_profile import head_step_cost, verify_cost_profile
 from .ragged_cache import RaggedKVCache
-from .sampling import make_draft_sampler, make_sampler
+from .sampling import make_draft_sampler, make_sampler, scored_logprobs
 from .state import GDNSlotCache
 from .target import Target, queue_after
 from .verify import verify_draft
@@ -51,6 +52,8 @@ class _Row:
     max_draft: int
     remaining: int  # tokens it may still emit
     stop_tokens: Collection[int] = field(default_factory=set)
+    processors: list = field(default_factory=list)  # mlx-lm logits processors
+    seen: List[int] = field(default_factory=list)  # the tokens processors see
     done: bool = False
 
 
@@ -104,8 +107,11 @@ class BatchDecoder:
         num_draft_tokens="auto",
         verify_costs: Optional[List[float]] = None,
         stop_tokens: Collection[int] = (),
+        logits_processors: Optional[list] = None,
     ) -> int:
-        """Move ``decoder`` (fed: one pending token) into the batch; its id."""
+        """Move ``decoder`` (fed: one pending token) into the batch; its id.
+        ``logits_processors`` (mlx-lm's) see the decoder's history and the
+        row's tokens since, as mlx-lm's decoding of that history shows them."""
         if not decoder.pending:
             raise ValueError("the decoder has no pending token: feed it first")
         if self.free == 0:
@@ -118,9 +124,9 @@ class BatchDecoder:
                 mine.append_row(theirs, len(self.rows))
         self._join_head(decoder.drafter)
         sampler = sampler or make_sampler(0.0)
+        processors, seen = list(logits_processors or ()), list(decoder.history)
         if decoder.drafter is not None:
-            history = list(decoder.history)
-            decoder.drafter.set_sampling(make_draft_sampler(sampler, None, history))
+            decoder.drafter.set_sampling(make_draft_sampler(sampler, processors, seen))
         auto = num_draft_tokens == "auto"
         most = self.max_draft if auto else min(num_draft_tokens, self.max_draft)
         policy = None
@@ -132,7 +138,10 @@ class BatchDecoder:
             )
             self.lengths = self.lengths or PassLength(costs, self.group)
         id, self._next_id = self._next_id, self._next_id + 1
-        row = _Row(id, decoder, sampler, policy, most, max_tokens, set(stop_tokens))
+        stops = set(stop_tokens)
+        row = _Row(
+            id, decoder, sampler, policy, most, max_tokens, stops, processors, seen
+        )
         self.rows.append(row)
         return id
 
@@ -212,12 +221,18 @@ class BatchDecoder:
             row, draft = self.rows[b], drafts[b]
             q = row.decoder.drafter.draft_probs if len(draft) else None
             scores = logprobs[b, : lengths[b]]  # [1 + len(draft), V]
+            if row.processors:
+                draft = draft.tolist() if isinstance(draft, mx.array) else draft
+                scores = scored_logprobs(
+                    logits[b, : lengths[b]], row.seen, draft, row.processors
+                )
             if plain is not None:  # sampled as verify_draft samples a plain pass
                 n, token = 0, plain[b]
             else:
                 n, token = verify_draft(draft, scores, row.sampler, q)
             draft = draft.tolist() if isinstance(draft, mx.array) else draft
             emitted = self._truncate(row, draft[:n] + [token])
+            row.seen.extend(emitted)  # in place: the draft sampler reads it
             j = len(emitted)
             kept[b] = j + (row.done and j <= n)
             out[row.id] = (emitted, scores[:j])
@@ -252,8 +267,8 @@ class BatchDecoder:
             return False
         alone = len(self.rows) == 1
         for row in self.rows:
-            if row.remaining <= 1:
-                return False  # it finishes with this pass
+            if row.remaining <= 1 or row.processors:
+                return False  # it finishes with this pass, or needs its history
             if row.decoder.drafter is None or row.max_draft == 0:
                 continue
             if row.policy is None:

@@ -37,6 +37,7 @@ from ..core.stats import SpecStats
 from ..drafters import make_drafter
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..generate import check_options
+from ..mlx_lm_compat import make_logits_processors
 from ..models.pipeline import broadcast_bytes
 from .events import Finished, GenerationParams, Job, Started, TextRouter, Token
 from .state_cache import StateCache
@@ -313,6 +314,7 @@ class Engine:
             sampler,
             j.num_draft_tokens,
             stop_tokens=self.tokenizer.eos_token_ids,
+            logits_processors=make_logits_processors(**p.logits),
         )
         self._live[id] = output
 

@@ -27,6 +27,8 @@ class GenerationParams:
     draft: Optional[str] = None  # None: the server's default
     num_draft_tokens: Union[int, str, None] = None
     tools: Optional[List[Dict[str, Any]]] = None
+    # keyword arguments of mlx-lm's make_logits_processors (empty: none)
+    logits: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -7,6 +7,7 @@ exception deeper down. Nothing in a request names a file or a model to load:
 """
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -34,11 +35,15 @@ class ServerContext:
     model_id: str
     defaults: Dict[str, Any]  # temperature, top_p, top_k, min_p, max_tokens
     context_length: Optional[int] = None
+    vocab_size: Optional[int] = None  # the model's logits (token ids below it)
     chat_template_args: Optional[Dict[str, Any]] = None
 
 
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite JSON number (Python's json module also reads NaN, Infinity)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value)
 
 
 def field(body, name, kind, default=None, low=None, high=None):
@@ -65,21 +70,9 @@ def field(body, name, kind, default=None, low=None, high=None):
     return value
 
 
-# OpenAI fields that would change the output but are not implemented here.
-UNSUPPORTED = (
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-
-
 def check_unsupported(body):
     if field(body, "n", "int", 1) != 1:
         raise RequestError("only 'n': 1 is supported", param="n")
-    for name in UNSUPPORTED:
-        if body.get(name) not in (None, 0, 0.0, {}):
-            raise RequestError(f"'{name}' is not supported by this server", param=name)
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
         raise RequestError(
@@ -128,6 +121,57 @@ def generation_params(body, ctx: ServerContext, max_tokens_field="max_tokens"):
         stop=list(stop or []),
         draft=draft,
         num_draft_tokens=num_draft_tokens,
+    )
+
+
+# mlx_lm.server's penalty fields: (penalty, its lowest value, its context size).
+PENALTIES = (
+    ("repetition_penalty", 0, "repetition_context_size"),
+    ("presence_penalty", None, "presence_context_size"),
+    ("frequency_penalty", None, "frequency_context_size"),
+)
+MAX_BIAS = 100  # OpenAI's bound on a logit_bias value
+
+
+def logits_processing(body, ctx: ServerContext) -> Dict[str, Any]:
+    """The penalties and ``logit_bias`` of a request, as keyword arguments
+    of mlx-lm's ``make_logits_processors`` (empty: none)."""
+    args = {}
+    for name, low, context in PENALTIES:
+        value = field(body, name, "number", low=low)
+        size = field(body, context, "int", low=1)
+        if value:  # 0 is off, as in mlx_lm.server
+            args[name] = value
+            if size is not None:
+                args[context] = size
+    bias = field(body, "logit_bias", "dict")
+    if bias:
+        args["logit_bias"] = {}
+        for key, value in bias.items():
+            token = _bias_token(key, ctx.vocab_size)
+            if not _number(value) or abs(value) > MAX_BIAS:
+                raise RequestError(
+                    f"'logit_bias' values must be numbers in -{MAX_BIAS}..{MAX_BIAS}"
+                    f", got {value!r} for token {key}",
+                    param="logit_bias",
+                )
+            args["logit_bias"][token] = float(value)
+    return args
+
+
+def _bias_token(key, vocab_size: Optional[int]) -> int:
+    """A ``logit_bias`` key (a token id as a string) as an id of the model's."""
+    if vocab_size is None:
+        raise RequestError(
+            "'logit_bias' is not available: the model's config gives no vocab_size",
+            param="logit_bias",
+        )
+    if isinstance(key, str) and key.isdecimal() and len(key) <= 12:
+        if int(key) < vocab_size:
+            return int(key)
+    raise RequestError(
+        f"'logit_bias' keys must be token ids below {vocab_size}, got {key!r:.40}",
+        param="logit_bias",
     )
 
 
@@ -207,6 +251,7 @@ def openai_request(path: str, body, ctx: ServerContext) -> Tuple[List[int], str,
     check_model(body, ctx)
     check_unsupported(body)
     params = generation_params(body, ctx)
+    params.logits = logits_processing(body, ctx)
     logprobs = body.get("logprobs")
     if path.endswith("chat/completions"):
         field(body, "logprobs", "bool")

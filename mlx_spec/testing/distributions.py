@@ -22,13 +22,19 @@ def chi2_pvalue(counts, probs) -> float:
     return sps.chisquare(counts[keep], expected).pvalue
 
 
-def exact_first_tokens(model, prompt, sampler) -> Tuple[Dict, np.ndarray]:
-    """Exact joint distribution of the first two tokens of plain sampling, and
-    the marginal of the third, by enumerating the top-k supports."""
+def exact_first_tokens(
+    model, prompt, sampler, processors=()
+) -> Tuple[Dict, np.ndarray]:
+    """Exact joint distribution of the first two tokens of plain sampling
+    (after mlx-lm logits ``processors``), and the marginal of the third, by
+    enumerating the top-k supports."""
 
     def dist(prefixes):
         x = mx.array([prompt + list(p) for p in prefixes])
         logits = model(x)[:, -1, :]
+        for i, row in enumerate(x):
+            for p in processors:
+                logits[i : i + 1] = p(row, logits[i : i + 1])
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return np.array(
             mx.softmax(sampler.logits(logprobs), axis=-1).astype(mx.float32)
