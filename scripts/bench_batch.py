@@ -3,8 +3,12 @@ over the bench workloads, prefill excluded, for several row counts, against
 mlx-lm's batched plain decoding (``BatchGenerator``) of the same rows.
 
     python scripts/bench_batch.py [--model DIR] [--rows 1 2 4] [--draft ngram mtp+ngram none]
+    python scripts/bench_batch.py --prefill 1024 [--rows 1 2 4]
 
 ``none``: this batch decoder with no drafter (every pass one token a row).
+``--prefill N``: instead, what prefilling several prompts together would gain:
+the model's plain forward over ``rows`` prompts of ``N`` tokens, one prompt
+at a time against all of them as one ``[rows, N]`` batch (chunks of 256).
 
 On Linux preload OpenBLAS for GPU-like matmul scaling (say so in results):
 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
@@ -14,13 +18,15 @@ import argparse
 import json
 import time
 
+import mlx.core as mx
+
 import mlx_spec
 from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters import make_drafter
-from mlx_spec.mlx_lm_compat import BatchGenerator
+from mlx_spec.mlx_lm_compat import BatchGenerator, make_prompt_cache
 
 
 def run(model, prompts, draft, rows, max_tokens, num_draft_tokens):
@@ -75,6 +81,33 @@ def run_mlx_lm(model, prompts, rows, max_tokens):
     }
 
 
+def prefill_seconds(model, tokens, rows, chunk=256):
+    """Seconds of the plain forward over ``rows`` copies of ``tokens`` as one
+    batch, chunk by chunk, each chunk evaluated with the caches."""
+    cache, x = make_prompt_cache(model), mx.array([tokens] * rows)
+    tic = time.perf_counter()
+    for start in range(0, len(tokens), chunk):
+        mx.eval(model(x[:, start : start + chunk], cache=cache)[:, -1])
+        mx.eval([c.state for c in cache])
+    return time.perf_counter() - tic
+
+
+def bench_prefill(model, prompts, n, row_counts):
+    longest = max(prompts, key=len)
+    tokens = (longest * (n // len(longest) + 1))[:n]  # repeated up to n tokens
+    prefill_seconds(model, tokens, 1)  # warm-up: the first forward is slower
+    print("| rows | prompt tokens | one at a time, tok/s | together, tok/s | ratio |")
+    print("|---|---|---|---|---|")
+    for rows in row_counts:
+        alone = sum(prefill_seconds(model, tokens, 1) for _ in range(rows))
+        together = prefill_seconds(model, tokens, rows)
+        print(
+            f"| {rows} | {n} | {rows * n / alone:.0f} | {rows * n / together:.0f} | "
+            f"{alone / together:.2f}x |",
+            flush=True,
+        )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(default_model_path()))
@@ -85,6 +118,7 @@ def main():
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-draft-tokens", default="3")
+    p.add_argument("--prefill", type=int, help="measure prefill of N-token prompts")
     args = p.parse_args()
     k = args.num_draft_tokens
     k = k if k == "auto" else int(k)
@@ -92,6 +126,8 @@ def main():
     kinds = ("copy", "free")  # the long-context workload only slows prefill
     prompts = [tok.encode(w["prompt"]) for w in load_workloads(None, kinds, tok)]
     print(json.dumps(machine_info()))
+    if args.prefill:
+        return bench_prefill(model, prompts, args.prefill, args.rows)
     print("| draft | rows | tokens/s | ms per pass | tokens per pass |")
     print("|---|---|---|---|---|")
     for draft in ([] if args.no_mlx_lm else ["mlx_lm"]) + args.draft:
