@@ -243,3 +243,14 @@ def test_mtp_ngram_samples_its_mtp_drafts(predictive_model):
 def test_negative_temperature_is_refused(xtc_probability):
     with pytest.raises(ValueError, match="temp must be >= 0, got -0.5"):
         make_sampler(-0.5, xtc_probability=xtc_probability)
+
+
+@pytest.mark.parametrize(
+    "probability, threshold", [(1.5, 0.1), (0.5, 0.9), (0.5, -0.1)]
+)
+def test_xtc_settings_mlx_lm_refuses_are_refused_up_front(probability, threshold):
+    """mlx-lm's XTC raises only when it samples (mid-generation, or for a
+    whole server batch): the sampler is refused when it is made."""
+    with pytest.raises(ValueError, match=f"got {probability!r} and {threshold!r}"):
+        make_sampler(1.0, xtc_probability=probability, xtc_threshold=threshold)
+    make_sampler(1.0, xtc_probability=0.5, xtc_threshold=0.5)  # the bounds are fine

@@ -130,6 +130,23 @@ def test_penalties_and_logit_bias_equal_mlx_lm(client, plain):
     assert r.choices[0].text == want != reference(plain, prompt, 24)
 
 
+def test_xtc_fields_sample_as_mlx_lm(client, plain):
+    """XTC always on with threshold 0 keeps the least likely token (and the
+    newline and EOS); top_k=1 then makes the draw deterministic."""
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = plain
+    fields = dict(top_k=1, xtc_probability=1.0, xtc_threshold=0.0)
+    special = tok.encode("\n") + list(tok.eos_token_ids)
+    sampler = make_sampler(1.0, xtc_special_tokens=special, **fields)
+    prompt = tok.encode(PROMPT)
+    want = mlx_lm.generate(model, tok, prompt, max_tokens=16, sampler=sampler)
+    r = client.completions.create(
+        model=MODEL_ID, prompt=PROMPT, max_tokens=16, temperature=1.0, extra_body=fields
+    )
+    assert r.choices[0].text == want != reference(plain, prompt, 16)
+
+
 @pytest.mark.parametrize("draft", ["ngram", "none"])
 def test_chat_equals_mlx_lm_greedy_streaming_or_not(client, plain, draft):
     want = reference(plain, chat_tokens(plain, CHAT), 20)
@@ -286,6 +303,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 3}}, None, 400),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 300}}, None, 400),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": -1}, None, 400),
+    ("/v1/completions", {"prompt": "x", "xtc_threshold": 0.9}, None, 400),
     ("/v1/completions", None, b'{"prompt": "x", "temperature": NaN}', 400),
     ("/v1/nothing", {}, None, 404),
 ]

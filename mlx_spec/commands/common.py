@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 from safetensors import SafetensorError, safe_open
 
-from ..core.sampling import make_sampler
+from ..core.sampling import make_sampler, xtc_special_tokens
 from ..core.state import ROLLBACK_STRATEGIES
 from ..demo import default_model_path
 from ..drafters import DRAFTS
@@ -214,5 +214,5 @@ def sampler_from_flags(args, tokenizer):
         top_k=args.top_k,
         xtc_probability=args.xtc_probability,
         xtc_threshold=args.xtc_threshold,
-        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
+        xtc_special_tokens=xtc_special_tokens(tokenizer),
     )

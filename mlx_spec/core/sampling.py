@@ -72,9 +72,15 @@ def make_sampler(
 ):
     """Drop-in for ``mlx_lm.sample_utils.make_sampler`` (see module docstring).
 
-    Raises ``ValueError`` for a negative temperature (whatever the sampler)."""
+    Raises ``ValueError`` for a negative temperature (whatever the sampler)
+    and for XTC settings mlx-lm's sampler would refuse only when it samples."""
     if xtc_probability > 0.0:
         _check_temp(temp)
+        if not (xtc_probability <= 1.0 and 0.0 <= xtc_threshold <= 0.5):
+            raise ValueError(
+                "xtc_probability must be in 0..1 and xtc_threshold in 0..0.5, got "
+                f"{xtc_probability!r} and {xtc_threshold!r}"
+            )
         return mlx_make_sampler(
             temp,
             top_p,
@@ -86,6 +92,12 @@ def make_sampler(
             xtc_special_tokens=xtc_special_tokens,
         )
     return Sampler(temp, top_p, min_p, min_tokens_to_keep, top_k)
+
+
+def xtc_special_tokens(tokenizer) -> List[int]:
+    """The tokens XTC never removes: the newline and the EOS tokens (what
+    mlx-lm's generate command and server pass)."""
+    return tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
 
 
 def rejection_sample(

@@ -31,7 +31,7 @@ import mlx.core as mx
 from ..core.batch import BatchDecoder
 from ..core.decode import SpeculativeDecoder
 from ..core.policy import most_drafts
-from ..core.sampling import make_sampler
+from ..core.sampling import make_sampler, xtc_special_tokens
 from ..core.snapshot import capture, restore
 from ..core.stats import SpecStats
 from ..drafters import make_drafter
@@ -306,7 +306,16 @@ class Engine:
         p = j.job.params
         if p.seed is not None:
             mx.random.seed(p.seed)
-        sampler = make_sampler(p.temperature, p.top_p, p.min_p, 1, top_k=p.top_k)
+        sampler = make_sampler(
+            p.temperature,
+            p.top_p,
+            p.min_p,
+            1,
+            top_k=p.top_k,
+            xtc_probability=p.xtc_probability,
+            xtc_threshold=p.xtc_threshold,
+            xtc_special_tokens=xtc_special_tokens(self.tokenizer),
+        )
         output = _Output(j.job, self.tokenizer, j.draft)
         id = batch.add(
             j.decoder,

@@ -20,6 +20,8 @@ class GenerationParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
     logprobs: bool = False  # report each token's logprob (the engine always sends it)

@@ -117,6 +117,8 @@ def generation_params(body, ctx: ServerContext, max_tokens_field="max_tokens"):
         top_p=field(body, "top_p", "number", d["top_p"], low=0, high=1),
         top_k=field(body, "top_k", "int", d["top_k"], low=0),
         min_p=field(body, "min_p", "number", d["min_p"], low=0, high=1),
+        xtc_probability=field(body, "xtc_probability", "number", 0.0, low=0, high=1),
+        xtc_threshold=field(body, "xtc_threshold", "number", 0.1, low=0, high=0.5),
         seed=field(body, "seed", "int"),
         stop=list(stop or []),
         draft=draft,
