@@ -167,15 +167,14 @@ class PassLength:
 
 def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int]:
     """Each active row's draft length (``rows``: a
-    :class:`~mlx_spec.core.batch.BatchDecoder`'s,
-    ``active``: the indices of those decoding). A fixed number stays; ``auto``
-    rows share the lengths :class:`PassLength` chooses for the batch, one
-    for the rows drafting copies, one for the rows drafting with the MTP
-    head (a row alone: its own policy's choice). Then a copy row drafting
-    less than the longest draft drafts up to that length as far as it
-    may: the pass computes every row over the same ``1 + longest``
-    positions, so those drafts cost nothing. A head row's would not:
-    each of its drafts is a head step."""
+    :class:`~mlx_spec.core.batch.BatchDecoder`'s rows; ``active``: the indices
+    of those decoding). A fixed number stays; ``auto`` rows share the lengths
+    :class:`PassLength` chooses for the batch, one for the rows drafting
+    copies, one for the rows drafting with the MTP head (a row alone: its own
+    policy's choice). Then a copy row drafting less than the longest draft
+    drafts up to that length as far as it may: the pass computes every row
+    over the same ``1 + longest`` positions, so those drafts cost nothing. A
+    head row's would not: each of its drafts is a head step."""
     ks, caps, auto, heads, judged = {}, {}, [], set(), 0
     for b in active:
         row = rows[b]

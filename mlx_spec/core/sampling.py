@@ -146,9 +146,9 @@ def scored_logprobs(
     the same tokens plain decoding would have shown them.
     """
     if processors:
-        rows = []
+        rows, seen = [], mx.array(history, mx.int32)  # once: contexts run long
         for i in range(logits.shape[0]):
-            tokens = mx.array(history + draft[:i])
+            tokens = mx.concatenate([seen, mx.array(draft[:i], seen.dtype)])
             row = logits[i : i + 1]
             for p in processors:
                 row = p(tokens, row)
