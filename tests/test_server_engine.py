@@ -68,6 +68,17 @@ def test_a_longer_prompt_continues_the_kept_state_exactly(engine, models):
         tok.eos_token_ids = {399}
 
 
+def test_token_logprobs_only_when_asked(engine):
+    """Reading a logprob synchronises the host (behind any pass queued
+    ahead), so a request that did not ask for them gets none."""
+    plain = [e for e in run(engine, [5, 6, 7], max_tokens=4) if isinstance(e, Token)]
+    asked = run(engine, [5, 6, 7], max_tokens=4, logprobs=True)
+    asked = [e for e in asked if isinstance(e, Token)]
+    assert [e.token for e in plain] == [e.token for e in asked]
+    assert all(e.logprob is None for e in plain)
+    assert all(isinstance(e.logprob, float) and e.logprob <= 0 for e in asked)
+
+
 def test_concurrent_jobs_share_passes_and_each_gets_its_answer(models):
     model, tok = models["qwen3_5_moe"]
     engine = Engine(model, tok, "ngram", num_draft_tokens=3, batch_size=3, start=False)

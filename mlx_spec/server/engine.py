@@ -57,7 +57,9 @@ class _Output:
     def emit(self, tokens: List[int], logprobs: mx.array):
         """Send the events of a pass's tokens; sets ``reason`` once done."""
         p, events = self.job.params, self.job.events
-        chosen = logprobs[mx.arange(len(tokens)), mx.array(tokens)].tolist()  # one sync
+        chosen = [None] * len(tokens)
+        if p.logprobs:  # a sync: it would also wait for a pass queued ahead
+            chosen = logprobs[mx.arange(len(tokens)), mx.array(tokens)].tolist()
         for i, token in enumerate(tokens):
             self.n += 1
             events.put(Token(token, chosen[i], _top(logprobs[i], p.top_logprobs)))

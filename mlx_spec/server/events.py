@@ -24,7 +24,7 @@ class GenerationParams:
     xtc_threshold: float = 0.1
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
-    logprobs: bool = False  # report each token's logprob (the engine always sends it)
+    logprobs: bool = False  # report each token's logprob
     top_logprobs: int = 0  # alternatives per token (0: none)
     draft: Optional[str] = None  # None: the server's default
     num_draft_tokens: Union[int, str, None] = None
@@ -42,7 +42,7 @@ class Started:
 @dataclass
 class Token:
     token: int
-    logprob: float
+    logprob: Optional[float]  # None unless the request asked for logprobs
     top_logprobs: List[tuple]  # [(token, logprob)], most likely first
 
 
