@@ -7,6 +7,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from ..core.decode import SpeculativeDecoder
+from ..drafters import make_drafter
 from ..generate import stream_generate
 from ..mlx_lm_compat import ArraysCache, plain_stream_generate
 
@@ -91,6 +92,14 @@ class OracleDrafter:
         return [
             t if self.rng.random() >= self.error else (t + 1) % self.vocab for t in out
         ]
+
+
+def drafter_for(kind: str, model, prompt: Sequence[int], ref: Sequence[int]):
+    """A drafter by name; "oracle": an :class:`OracleDrafter` of ``prompt``'s
+    reference continuation ``ref`` that errs 30% of the time."""
+    if kind == "oracle":
+        return OracleDrafter(list(prompt) + list(ref), error=0.3, seed=len(prompt))
+    return make_drafter(kind, model)
 
 
 def prompts(kind: str, n: int = 24, seed: int = 0) -> List[int]:
