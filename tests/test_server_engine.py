@@ -55,10 +55,12 @@ def test_a_longer_prompt_continues_the_kept_state_exactly(engine, models):
         assert reply == reference_tokens(model, tok, first, 10)
         second = first + reply + [5, 6, 7]
         events = run(engine, second, max_tokens=12)
+        # the first request's state, kept with its last token pending (no
+        # forward when it left): that token is fed with the new ones
         started = next(e for e in events if isinstance(e, Started))
-        assert started.cached_tokens == len(first) + len(reply)
+        assert started.cached_tokens == len(first) + len(reply) - 1
         assert tokens_of(events) == reference_tokens(model, tok, second, 12)
-        # the same conversation again: the state before its last token
+        # the same conversation again: the state at the end of its prompt
         again = run(engine, second, max_tokens=12)
         assert next(e for e in again if isinstance(e, Started)).cached_tokens == (
             len(second) - 1
@@ -66,6 +68,31 @@ def test_a_longer_prompt_continues_the_kept_state_exactly(engine, models):
         assert tokens_of(again) == tokens_of(events)
     finally:
         tok.eos_token_ids = {399}
+
+
+def test_kept_states_leave_their_last_token_pending(models, family):
+    """A request that ends keeps its state without a forward (its last token
+    pending). A prompt equal to that history continues it with nothing to
+    prefill; a longer one feeds the pending token with its own. Both equal
+    mlx-lm's decoding of the whole prompt."""
+    model, tok = models[family]
+    eos, tok.eos_token_ids = tok.eos_token_ids, set()  # run the full lengths
+    engine = Engine(model, tok, "mtp+ngram", num_draft_tokens=3)
+    try:
+        first = prompts("mixed")
+        history = first + tokens_of(run(engine, first, max_tokens=10))
+        kept = engine.states.lookup("mtp+ngram", history)
+        assert kept.history == history and kept.pending == 1
+        offsets = {c.offset for c in kept.caches if hasattr(c, "keys")}
+        assert offsets == {len(history) - 1}  # the last token was not run
+        for prompt in (history, history + [5, 6]):
+            events = run(engine, prompt, max_tokens=8)
+            started = next(e for e in events if isinstance(e, Started))
+            assert started.cached_tokens == len(history) - 1
+            assert tokens_of(events) == reference_tokens(model, tok, prompt, 8)
+    finally:
+        tok.eos_token_ids = eos
+        engine.close()
 
 
 def test_token_logprobs_only_when_asked(engine):
@@ -173,9 +200,14 @@ def test_state_cache_longest_strict_prefix_and_bounds():
     assert cache.lookup("ngram", [1, 2, 3, 4]).history == [1, 2]  # strict prefix
     assert cache.lookup("mtp", [1, 2, 3, 4, 5]) is None  # another drafter's
     assert cache.lookup("ngram", [9]) is None
+    left = _state([1, 2, 3, 4, 5], 100)
+    left.pending = 1  # its last token not run: a prompt may end there
+    cache.insert(left)
+    assert cache.lookup("ngram", [1, 2, 3, 4, 5]) is left
+    assert cache.lookup("ngram", [1, 2, 3, 4, 6]).history == [1, 2, 3, 4]
     cache.insert(_state([7], 100))
     cache.insert(_state([8], 100))  # a fourth entry: the least recently used goes
-    assert len(cache) == 3 and cache.lookup("ngram", [1, 2, 3, 4, 5]) is not None
+    assert len(cache) == 3 and cache.lookup("ngram", [1, 2, 3, 4, 5, 6]) is not None
     cache.insert(_state([6], 900))  # over the byte bound: evicted down to fit
     assert cache.nbytes <= 1000
     cache.insert(_state([5], 5000))  # larger than the bound: not kept

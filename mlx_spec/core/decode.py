@@ -74,7 +74,7 @@ class SpeculativeDecoder:
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise ValueError("cannot feed an empty list of tokens")
-        self._settle_queued()
+        self.settle_queued()
         inputs = self.pending + tokens[:-1]
         keep = self.drafter is not None and self.drafter.needs_hidden
         hidden = self.target.prefill(
@@ -97,7 +97,7 @@ class SpeculativeDecoder:
 
     def flush(self):
         """Process the pending token: the caches then equal plain decoding's."""
-        self._settle_queued()
+        self.settle_queued()
         if self.pending:
             self.last_hidden = self.target.hidden(mx.array(self.pending, mx.uint32))
             mx.eval([c.state for c in self.cache.caches])
@@ -176,7 +176,7 @@ class SpeculativeDecoder:
         self._quantize()
         return logits, hidden
 
-    def _settle_queued(self):
+    def settle_queued(self):
         """A queued plain pass that will not be verified has processed the
         last token: the caches hold the whole history."""
         if self._queued is not None:
@@ -220,7 +220,7 @@ class SpeculativeDecoder:
             clock.lap("commit", [c.state for c in self.cache.caches])
         self.advance(drafted, n, tokens, kept, hidden)
         if process_last:
-            self._settle_queued()
+            self.settle_queued()
 
     def advance(self, drafted: int, n: int, tokens: List[int], kept: int, hidden):
         """The bookkeeping of a pass whose caches kept ``kept`` inputs and

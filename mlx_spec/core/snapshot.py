@@ -1,10 +1,12 @@
 """A decoder's whole state as values: saved with a chat session, or kept in
 memory by the server to continue a conversation without prefilling it again.
 
-The pending token is processed first, so the target caches hold every token
-of the history (what plain decoding's prompt cache would hold); the drafter
-contributes its own arrays (``Drafter.state``) and rebuilds from them with
-``Drafter.restore``.
+By default the pending token is processed first, so the target caches hold
+every token of the history (what plain decoding's prompt cache would hold).
+The server keeps its states with the last token still pending instead: a
+state may never be continued, and one that is processes that token with the
+next prompt's tokens, in the same forward. The drafter contributes its own
+arrays (``Drafter.state``) and rebuilds from them with ``Drafter.restore``.
 """
 
 import copy
@@ -23,6 +25,7 @@ class DecoderState:
     caches: List[Any]  # the target's per-layer caches
     drafter: str  # the drafter's name ("none" without one)
     drafter_arrays: List[mx.array]
+    pending: int = 0  # last tokens of history not in the caches (0 or 1)
 
     @property
     def nbytes(self) -> int:
@@ -63,24 +66,35 @@ def drafter_name(drafter) -> str:
     return "none" if drafter is None else drafter.name
 
 
-def capture(decoder, copy_caches: bool = False) -> DecoderState:
-    """The state of ``decoder`` after processing its pending token.
+def capture(decoder, copy_caches: bool = False, flush: bool = True) -> DecoderState:
+    """The state of ``decoder`` after processing its pending token, or with
+    it still pending (``flush=False``: no forward now; at most one token may
+    be pending).
 
     ``copy_caches``: the state must survive the decoder going on (the
     attention caches are written in place as decoding continues)."""
-    decoder.flush()
+    if flush:
+        decoder.flush()
+    else:
+        decoder.settle_queued()
+        if len(decoder.pending) > 1:
+            raise ValueError(
+                f"{len(decoder.pending)} tokens are pending; at most one can be kept"
+            )
     drafter = decoder.drafter
     arrays = [] if drafter is None else list(drafter.state)
     caches = list(decoder.cache.caches)
     mx.eval([c.state for c in caches], arrays)
     if copy_caches:
         caches = [copy_cache(c) for c in caches]
+    pending = len(decoder.pending)
     return DecoderState(
         list(decoder.history),
-        decoder.last_hidden,
+        None if pending else decoder.last_hidden,
         caches,
         drafter_name(drafter),
         arrays,
+        pending,
     )
 
 
@@ -102,7 +116,7 @@ def restore(decoder, state: DecoderState, copy_caches: bool = False):
         else:
             target[i] = copy_cache(c) if copy_caches else c
     decoder.history = list(state.history)
-    decoder.processed = len(decoder.history)
+    decoder.processed = len(decoder.history) - state.pending
     decoder.last_hidden = state.last_hidden
     if decoder.drafter is not None:
         decoder.drafter.restore(decoder.history, state.drafter_arrays)

@@ -11,6 +11,10 @@ back to back while nothing decodes; a prompt prefilled joins the batch. Then
 it runs one :class:`BatchDecoder` step for every decoding job and lets
 finished or cancelled ones leave, keeping their state for a later turn.
 
+States are kept with their last token pending (the prompt's when it joins, the
+last one emitted when it leaves): keeping one costs no forward, and a later
+prompt that continues it processes that token in its own prefill.
+
 A job's events: ``Started`` once (prompt and cached token counts), then
 ``Token``, ``Segment`` (content or reasoning) and ``ToolCall`` events, then
 ``Finished``; or one exception. ``Job.cancel()`` (a client that went away)
@@ -111,9 +115,8 @@ class _Joining:
     draft: str
     num_draft_tokens: Union[int, str]
     decoder: SpeculativeDecoder
-    todo: List[int]  # prompt tokens still to feed, all but the last one
-    last: List[int]  # the prompt's last token: pending when it joins
-    keep: bool  # keep the state before the last token (see _admit)
+    todo: List[int]  # prompt tokens still to feed; the last one stays pending
+    keep: bool  # keep the state at the end of the prompt (see _admit)
 
 
 class Engine:
@@ -250,22 +253,15 @@ class Engine:
                 prefill_step_size=self.prefill_step_size,
                 stats=SpecStats(),
             )
-            new = job.prompt
+            new, cached = job.prompt, 0
             state = self.states.lookup(draft, job.prompt)
             if state is not None:
                 restore(decoder, state, copy_caches=True)
                 new = job.prompt[len(state.history) :]
-            job.events.put(Started(len(job.prompt), len(job.prompt) - len(new)))
+                cached = len(state.history) - state.pending
+            job.events.put(Started(len(job.prompt), cached))
             self._joining.append(
-                _Joining(
-                    job,
-                    draft,
-                    num_draft_tokens,
-                    decoder,
-                    new[:-1],
-                    new[-1:],
-                    len(new) > 1,
-                )
+                _Joining(job, draft, num_draft_tokens, decoder, new, len(new) > 1)
             )
         except Exception as e:  # reported to its client; the others go on
             log.exception("request failed")
@@ -298,13 +294,12 @@ class Engine:
                 self._joining.popleft()
 
     def _admit(self, batch: BatchDecoder, j: _Joining):
-        """A prompt fed up to its last token joins the batch."""
+        """A prompt fed (its last token pending) joins the batch."""
         if j.keep:
-            # Keep the state before the prompt's last token: the next turn's
-            # prompt extends it even when this reply is tokenized differently
-            # there (or a client sends the same conversation again).
-            self.states.insert(capture(j.decoder, copy_caches=True))
-        j.decoder.feed(j.last)
+            # Keep the state at the end of the prompt: the next turn's prompt
+            # extends it even when this reply is tokenized differently there
+            # (or a client sends the same conversation again).
+            self.states.insert(capture(j.decoder, copy_caches=True, flush=False))
         p = j.job.params
         if p.seed is not None:
             mx.random.seed(p.seed)
@@ -341,7 +336,7 @@ class Engine:
                 continue
             decoder = batch.take(id)
             del self._live[id]
-            self.states.insert(capture(decoder))
+            self.states.insert(capture(decoder, flush=False))
             output.finish(decoder.stats)
 
 

@@ -31,14 +31,16 @@ class StateCache:
         return len(self._entries)
 
     def lookup(self, drafter: str, prompt: Sequence[int]) -> Optional[DecoderState]:
-        """The state with the longest history that is a strict prefix of
-        ``prompt`` (at least one token is left to feed), for ``drafter``."""
+        """The state with the longest history that ``prompt`` continues, for
+        ``drafter``: a strict prefix of it, or all of it when the state's last
+        token is still pending (decoding goes on from that token)."""
         prompt = tuple(prompt)
         with self._lock:
             best = None
             for (name, history), state in self._entries.items():
                 n = len(history)
-                if name == drafter and n < len(prompt) and prompt[:n] == history:
+                fits = n < len(prompt) or (n == len(prompt) and state.pending)
+                if name == drafter and fits and prompt[:n] == history:
                     if best is None or n > len(best[0][1]):
                         best = ((name, history), state)
             if best is None:
