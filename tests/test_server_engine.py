@@ -10,7 +10,6 @@ from mlx_lm.tool_parsers import json_tools
 from mlx_spec.core.snapshot import DecoderState
 from mlx_spec.server.engine import Engine
 from mlx_spec.server.events import (
-    Finished,
     GenerationParams,
     Job,
     Segment,
@@ -20,21 +19,12 @@ from mlx_spec.server.events import (
     ToolCall,
 )
 from mlx_spec.server.state_cache import StateCache
-from mlx_spec.testing.reference import prompts, reference_tokens
+from mlx_spec.testing.reference import prompts, reference_tokens, tokens_of
+from mlx_spec.testing.server import job_events
 
 
 def run(engine, prompt, **params):
-    job = engine.submit(Job(prompt, GenerationParams(**params)))
-    events = []
-    while not events or not isinstance(events[-1], (Finished, Exception)):
-        events.append(job.events.get(timeout=300))
-    if isinstance(events[-1], Exception):
-        raise events[-1]
-    return events
-
-
-def tokens_of(events):
-    return [e.token for e in events if isinstance(e, Token)]
+    return job_events(engine.submit(Job(prompt, GenerationParams(**params))))
 
 
 @pytest.fixture(params=["ngram", "mtp+ngram"])
@@ -114,10 +104,7 @@ def test_concurrent_jobs_share_passes_and_each_gets_its_answer(models):
         jobs = [engine.submit(Job(p, GenerationParams(n))) for p, n in specs]
         engine.start()  # all three are waiting: they join the first pass together
         for job, (prompt, n) in zip(jobs, specs):
-            events = []
-            while not events or not isinstance(events[-1], (Finished, Exception)):
-                events.append(job.events.get(timeout=300))
-            assert tokens_of(events) == reference_tokens(model, tok, prompt, n)
+            assert tokens_of(job_events(job)) == reference_tokens(model, tok, prompt, n)
         assert engine.peak_decoding == 3
     finally:
         engine.close()
@@ -218,7 +205,7 @@ class _Recording(Engine):
     """Records, before each pass, how many prompts are still prefilling."""
 
     def _step(self, batch):
-        self.prefilling_at_pass.append(len(self._joining))
+        self.prefilling_at_pass.append(len(self.prefills.joining))
         super()._step(batch)
 
 
@@ -237,10 +224,7 @@ def test_a_long_prompt_joins_mid_run_in_chunks(models):
         jobs = [engine.submit(Job(p, GenerationParams(n))) for p, n in specs]
         engine.start()
         for job, (prompt, n) in zip(jobs, specs):
-            events = []
-            while not events or not isinstance(events[-1], (Finished, Exception)):
-                events.append(job.events.get(timeout=300))
-            assert tokens_of(events) == reference_tokens(model, tok, prompt, n)
+            assert tokens_of(job_events(job)) == reference_tokens(model, tok, prompt, n)
         # passes with the long one prefilling: the short one's first, then one
         # after each of its 299 tokens' chunks but the last; then it decodes
         chunks = -(-299 // 64)

@@ -13,7 +13,9 @@ finished or cancelled ones leave, keeping their state for a later turn.
 
 States are kept with their last token pending (the prompt's when it joins, the
 last one emitted when it leaves): keeping one costs no forward, and a later
-prompt that continues it processes that token in its own prefill.
+prompt that continues it processes that token in its own prefill. A prompt
+that begins like one being prefilled waits for it to reach the end of the
+common part and continues from the state kept there (:mod:`.prefill`).
 
 A job's events: ``Started`` once (prompt and cached token counts), then
 ``Token``, ``Segment`` (content or reasoning) and ``ToolCall`` events, then
@@ -26,8 +28,7 @@ import pickle
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Dict, List, Optional, Union
 
 import mlx.core as mx
@@ -44,6 +45,7 @@ from ..generate import check_options
 from ..mlx_lm_compat import make_logits_processors
 from ..models.pipeline import broadcast_bytes
 from .events import Finished, GenerationParams, Job, Started, TextRouter, Token
+from .prefill import Joining, PrefillQueue
 from .state_cache import StateCache
 
 log = logging.getLogger("mlx_spec.server")
@@ -107,18 +109,6 @@ def _top(logprobs: mx.array, n: int) -> List[tuple]:
     return list(zip(ids[order].tolist(), values[order].tolist()))
 
 
-@dataclass
-class _Joining:
-    """A job whose prompt is being prefilled, chunk by chunk."""
-
-    job: Job
-    draft: str
-    num_draft_tokens: Union[int, str]
-    decoder: SpeculativeDecoder
-    todo: List[int]  # prompt tokens still to feed; the last one stays pending
-    keep: bool  # keep the state at the end of the prompt (see _admit)
-
-
 class Engine:
     """Owns the model and the kept states; decodes on one worker thread."""
 
@@ -149,7 +139,7 @@ class Engine:
         self.states = StateCache(cache_bytes, cache_entries)
         self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._live: Dict[int, _Output] = {}
-        self._joining: "deque[_Joining]" = deque()  # prefilling, in arrival order
+        self.prefills = PrefillQueue(self.states, prefill_chunk)
         self._closing = False
         self.peak_decoding = 0  # most requests verified in one pass so far
         self._worker = threading.Thread(target=self._work, name="mlx_spec-engine")
@@ -184,7 +174,7 @@ class Engine:
         return {
             "busy": bool(self._live),
             "decoding": len(self._live),
-            "prefilling": len(self._joining),
+            "prefilling": len(self.prefills),
             "peak_decoding": self.peak_decoding,
             "queued": self._jobs.qsize(),
             "kept_states": self.states.histories(),
@@ -204,7 +194,7 @@ class Engine:
         jobs = []
         while len(jobs) < free and not self._closing:
             try:
-                busy = self._live or self._joining or jobs
+                busy = self._live or self.prefills or jobs
                 job = self._jobs.get(block=not busy)
             except queue.Empty:
                 break
@@ -216,8 +206,8 @@ class Engine:
 
     def _work(self):
         batch = self._new_batch()
-        while not (self._closing and not self._live and not self._joining):
-            for job in self._incoming(batch.free - len(self._joining)):
+        while not (self._closing and not self._live and not self.prefills):
+            for job in self._incoming(batch.free - len(self.prefills)):
                 self._start(job)
             self._prefill(batch)
             if self._live:
@@ -253,15 +243,19 @@ class Engine:
                 prefill_step_size=self.prefill_step_size,
                 stats=SpecStats(),
             )
-            new, cached = job.prompt, 0
             state = self.states.lookup(draft, job.prompt)
+            covered = 0 if state is None else len(state.history)
+            if self.prefills.wait_to_share(job, draft, covered):
+                return
+            state = self.states.lookup(draft, job.prompt)  # one kept just now?
+            new, cached = job.prompt, 0
             if state is not None:
                 restore(decoder, state, copy_caches=True)
                 new = job.prompt[len(state.history) :]
                 cached = len(state.history) - state.pending
             job.events.put(Started(len(job.prompt), cached))
-            self._joining.append(
-                _Joining(job, draft, num_draft_tokens, decoder, new, len(new) > 1)
+            self.prefills.joining.append(
+                Joining(job, draft, num_draft_tokens, decoder, new, len(new) > 1)
             )
         except Exception as e:  # reported to its client; the others go on
             log.exception("request failed")
@@ -270,36 +264,18 @@ class Engine:
     def _prefill(self, batch: BatchDecoder):
         """Feed the joining prompts: ``prefill_chunk`` tokens in all while
         requests decode, else the first prompt whole (in chunks); a prompt
-        fed joins the batch."""
-        if not self._joining:
+        fed joins the batch, a job that waited for a shared prefix starts."""
+        joining = self.prefills.joining
+        if not joining:
             return
-        budget = self.prefill_chunk if self._live else len(self._joining[0].todo)
-        while self._joining:
-            j = self._joining[0]
-            n = min(self.prefill_chunk, budget, len(j.todo))
-            if j.todo and n == 0:
-                return  # the budget is spent
-            try:
-                if n:
-                    j.decoder.feed(j.todo[:n])
-                    j.todo, budget = j.todo[n:], budget - n
-                done = not j.todo
-                if done:
-                    self._admit(batch, j)
-            except Exception as e:  # reported to its client; the others go on
-                done = True
-                log.exception("request failed")
-                j.job.events.put(e)
-            if done:
-                self._joining.popleft()
+        budget = self.prefill_chunk if self._live else len(joining[0].todo)
+        for job in self.prefills.feed(budget, lambda j: self._admit(batch, j)):
+            self._start(job)
 
-    def _admit(self, batch: BatchDecoder, j: _Joining):
-        """A prompt fed (its last token pending) joins the batch."""
-        if j.keep:
-            # Keep the state at the end of the prompt: the next turn's prompt
-            # extends it even when this reply is tokenized differently there
-            # (or a client sends the same conversation again).
-            self.states.insert(capture(j.decoder, copy_caches=True, flush=False))
+    def _admit(self, batch: BatchDecoder, j: Joining):
+        """A prompt fed (its last token pending; its state kept, so that the
+        next turn's prompt extends it even when this reply is tokenized
+        differently there) joins the batch."""
         p = j.job.params
         if p.seed is not None:
             mx.random.seed(p.seed)

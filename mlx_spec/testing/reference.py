@@ -10,6 +10,7 @@ from ..core.decode import SpeculativeDecoder
 from ..drafters import make_drafter
 from ..generate import stream_generate
 from ..mlx_lm_compat import ArraysCache, plain_stream_generate
+from ..server.events import Token
 
 # id(model loaded by mlx_spec) -> the same checkpoint loaded by mlx-lm alone
 _plain_twins = {}
@@ -100,6 +101,11 @@ def drafter_for(kind: str, model, prompt: Sequence[int], ref: Sequence[int]):
     if kind == "oracle":
         return OracleDrafter(list(prompt) + list(ref), error=0.3, seed=len(prompt))
     return make_drafter(kind, model)
+
+
+def tokens_of(events) -> List[int]:
+    """The token ids of a server job's ``Token`` events."""
+    return [e.token for e in events if isinstance(e, Token)]
 
 
 def prompts(kind: str, n: int = 24, seed: int = 0) -> List[int]:

@@ -1,4 +1,5 @@
-"""Start an HTTP server process for a test or a benchmark, and always stop it."""
+"""Start an HTTP server process for a test or a benchmark, and always stop
+it; read the events of a job given to the server's engine directly."""
 
 import contextlib
 import http.client
@@ -8,6 +9,8 @@ import subprocess
 import sys
 import time
 from typing import Iterator, List, Optional
+
+from ..server.events import Finished
 
 
 def free_port() -> int:
@@ -77,3 +80,14 @@ def mlx_spec_server(model, port: int, *extra: str) -> List[str]:
         str(port),
         *extra,
     ]
+
+
+def job_events(job, timeout: float = 300.0) -> list:
+    """The events of an engine ``Job`` up to its ``Finished`` (or an exception,
+    raised), each waited for at most ``timeout`` seconds."""
+    events = []
+    while not events or not isinstance(events[-1], (Finished, Exception)):
+        events.append(job.events.get(timeout=timeout))
+    if isinstance(events[-1], Exception):
+        raise events[-1]
+    return events

@@ -1,0 +1,81 @@
+"""Joining prompts that begin alike: one prefill of the common part, a state
+kept where they part, and each answer exactly mlx-lm's."""
+
+from mlx_spec.core.decode import SpeculativeDecoder
+from mlx_spec.drafters import make_drafter
+from mlx_spec.server.engine import Engine
+from mlx_spec.server.events import GenerationParams, Job, Started
+from mlx_spec.server.prefill import SHARED_MIN, Joining, PrefillQueue
+from mlx_spec.server.state_cache import StateCache
+from mlx_spec.testing.reference import prompts, reference_tokens, tokens_of
+from mlx_spec.testing.server import job_events
+
+
+def test_prompts_that_begin_alike_prefill_the_common_part_once(models, family):
+    """Submitted together: ``a`` (prefilled first), ``b`` sharing its first
+    100 tokens, ``c`` equal to ``a`` and ``d`` sharing fewer than
+    ``SHARED_MIN``. ``b`` continues the state kept at token 100, ``c`` the one
+    at the end of ``a``; ``d`` prefills alone. Every answer equals mlx-lm's."""
+    model, tok = models[family]
+    eos, tok.eos_token_ids = tok.eos_token_ids, set()  # run the full lengths
+    shared = prompts("random", n=100, seed=1)
+    a = shared + prompts("random", n=20, seed=2)
+    b = shared + [(a[100] + 1) % 256] + prompts("random", n=14, seed=3)
+    d = shared[: SHARED_MIN - 1] + [(a[SHARED_MIN - 1] + 1) % 256] + [9] * 40
+    engine = Engine(
+        model, tok, "mtp+ngram", 3, batch_size=4, prefill_chunk=64, start=False
+    )
+    try:
+        specs = [(a, 10), (b, 8), (list(a), 6), (d, 5)]
+        jobs = [engine.submit(Job(p, GenerationParams(n))) for p, n in specs]
+        engine.start()
+        cached = []
+        for job, (prompt, n) in zip(jobs, specs):
+            events = job_events(job)
+            assert tokens_of(events) == reference_tokens(model, tok, prompt, n)
+            cached.append(
+                next(e for e in events if isinstance(e, Started)).cached_tokens
+            )
+        # each kept state's last token is pending: fed with the rest
+        assert cached == [0, len(shared) - 1, len(a) - 1, 0]
+    finally:
+        tok.eos_token_ids = eos
+        engine.close()
+
+
+def _joining(model, prompt, fed):
+    """A prefill of ``prompt`` that has fed its first ``fed`` tokens."""
+    decoder = SpeculativeDecoder(model, make_drafter("ngram", model), max_draft=3)
+    decoder.feed(prompt[:fed])
+    return Joining(
+        Job(prompt, GenerationParams(4)), "ngram", 3, decoder, prompt[fed:], True
+    )
+
+
+def test_a_prompt_waits_only_for_a_prefill_that_can_still_stop_where_they_part(
+    models,
+):
+    model, _ = models["qwen3_next"]
+    states = StateCache(1 << 30)
+    queue = PrefillQueue(states, chunk=8)
+    prompt = prompts("random", n=120, seed=4)
+    j = _joining(model, prompt, 60)
+    queue.joining.append(j)
+
+    def job(common):
+        return Job(
+            prompt[:common] + [(prompt[common] + 1) % 256, 5], GenerationParams(4)
+        )
+
+    assert not queue.wait_to_share(job(50), "ngram", 0)  # it is past token 50
+    assert not queue.wait_to_share(job(90), "mtp", 0)  # another drafter's state
+    assert not queue.wait_to_share(job(90), "ngram", 90 - SHARED_MIN + 1)  # too few
+    assert queue.wait_to_share(job(90), "ngram", 0) and j.marks == {90}
+    assert not queue.wait_to_share(job(60), "ngram", 0)  # it is there: kept now
+    kept = states.lookup("ngram", prompt[:60] + [1])
+    assert kept.history == prompt[:60] and kept.pending == 1
+    # fed on, it stops at 90, keeps the state there and lets the job waiting start
+    released = queue.feed(40, admit=lambda j: None)
+    assert [r.prompt[:90] for r in released] == [prompt[:90]]
+    assert j.fed == 100 and not j.marks and not queue.waiting
+    assert states.lookup("ngram", prompt[:90] + [1]).history == prompt[:90]
