@@ -10,6 +10,7 @@ the other) on 127.0.0.1; every client streams greedy ``/v1/completions``
 requests of the bundled bench workloads.
 
     python scripts/bench_server.py [--model DIR] [--clients 1 2 4 8] [--max-tokens 128]
+        [--shared-prefix-chars N]  # the same N characters before every prompt
 
 On Linux preload OpenBLAS for GPU-like matmul scaling (say so in results):
 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
@@ -174,6 +175,13 @@ def main():
         "five of 27 to 2,119 tokens, as in the README)",
     )
     p.add_argument(
+        "--shared-prefix-chars",
+        type=int,
+        default=0,
+        help="begin every prompt with the same N characters of standard-library "
+        "source (a shared system prompt, as parallel agents send)",
+    )
+    p.add_argument(
         "--server-args",
         default="",
         help="extra arguments for the mlx_spec servers, e.g. '--prefill-chunk 128'",
@@ -189,6 +197,9 @@ def main():
         if w["name"] in args.workloads
     ]
     context = "\n\n".join(prompts)[: args.context_chars]
+    if args.shared_prefix_chars:
+        shared = "\n\n".join(reversed(prompts))[: args.shared_prefix_chars]
+        prompts = [shared + "\n\n" + p for p in prompts]
     print(json.dumps(machine_info()), flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_server_"))
     if "mlx_lm" in args.servers:
