@@ -5,7 +5,9 @@ from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.drafters import make_drafter
 from mlx_spec.server.engine import Engine
 from mlx_spec.server.events import GenerationParams, Job, Started
+from mlx_spec.server.anthropic import messages_request
 from mlx_spec.server.prefill import SHARED_MIN, Joining, PrefillQueue
+from mlx_spec.server.requests import ServerContext, chat_prompt, openai_request
 from mlx_spec.server.state_cache import StateCache
 from mlx_spec.testing.reference import prompts, reference_tokens, tokens_of
 from mlx_spec.testing.server import job_events
@@ -79,3 +81,50 @@ def test_a_prompt_waits_only_for_a_prefill_that_can_still_stop_where_they_part(
     assert [r.prompt[:90] for r in released] == [prompt[:90]]
     assert j.fed == 100 and not j.marks and not queue.waiting
     assert states.lookup("ngram", prompt[:90] + [1]).history == prompt[:90]
+
+
+def test_a_first_turns_system_prompt_is_kept_for_new_conversations(models, family):
+    """A first turn's prompt tells where its system prompt ends; the prefill
+    keeps a state there, and a new conversation with the same system prompt
+    continues it, its answer still mlx-lm's."""
+    model, tok = models[family]
+    defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    ctx = ServerContext(tok, "tiny", {**defaults, "max_tokens": 8})
+    system = {"role": "system", "content": "Answer in Python only. " * 6}
+
+    def first_turn(text):
+        return [system, {"role": "user", "content": text}]
+
+    one, _, shared = chat_prompt(first_turn("sort a list"), None, ctx)
+    two, _, shared_two = chat_prompt(first_turn("parse a date"), None, ctx)
+    assert shared == shared_two and SHARED_MIN < shared < len(one)
+    assert one[:shared] == two[:shared]
+    later = first_turn("a") + [{"role": "assistant", "content": "b"}]
+    assert chat_prompt(later + [{"role": "user", "content": "c"}], None, ctx)[2] == 0
+    for request in (
+        openai_request("/v1/chat/completions", {"messages": first_turn("x")}, ctx),
+        messages_request(
+            {
+                "system": system["content"],
+                "max_tokens": 8,
+                "messages": first_turn("x")[1:],
+            },
+            ctx,
+        ),
+    ):
+        assert request[2].shared_prefix == shared
+
+    eos, tok.eos_token_ids = tok.eos_token_ids, set()  # run the full lengths
+    engine = Engine(model, tok, "mtp+ngram", 3)
+    try:
+        for prompt, cached in ((one, 0), (two, shared - 1)):
+            params = GenerationParams(6, shared_prefix=shared)
+            events = job_events(engine.submit(Job(prompt, params)))
+            assert (
+                next(e for e in events if isinstance(e, Started)).cached_tokens
+                == cached
+            )
+            assert tokens_of(events) == reference_tokens(model, tok, prompt, 6)
+    finally:
+        tok.eos_token_ids = eos
+        engine.close()

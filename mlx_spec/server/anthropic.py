@@ -143,7 +143,7 @@ def messages_request(body, ctx: ServerContext):
     params = generation_params(body, ctx)
     tools = _tools(body.get("tools"))
     params.tools = tools
-    prompt, state = chat_prompt(messages, tools, ctx)
+    prompt, state, params.shared_prefix = chat_prompt(messages, tools, ctx)
     return prompt, state, params
 
 

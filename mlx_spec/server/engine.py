@@ -222,7 +222,8 @@ class Engine:
 
     def _start(self, job: Job):
         """The job's decoder, from the longest kept state its prompt extends;
-        it joins the prefilling jobs."""
+        it joins the prefilling jobs, or waits for one that will keep a
+        longer state its prompt extends."""
         try:
             p = job.params
             draft = p.draft or self.draft
@@ -234,6 +235,11 @@ class Engine:
             if draft == "none":
                 num_draft_tokens = 0
             check_options(p.max_tokens, draft, num_draft_tokens)
+            state = self.states.lookup(draft, job.prompt)
+            covered = 0 if state is None else len(state.history)
+            if self.prefills.wait_to_share(job, draft, covered):
+                return
+            state = self.states.lookup(draft, job.prompt)  # one kept just now?
             drafter = make_drafter(draft, self.model, max_ngram=self.max_ngram)
             decoder = SpeculativeDecoder(
                 self.model,
@@ -243,20 +249,14 @@ class Engine:
                 prefill_step_size=self.prefill_step_size,
                 stats=SpecStats(),
             )
-            state = self.states.lookup(draft, job.prompt)
-            covered = 0 if state is None else len(state.history)
-            if self.prefills.wait_to_share(job, draft, covered):
-                return
-            state = self.states.lookup(draft, job.prompt)  # one kept just now?
             new, cached = job.prompt, 0
             if state is not None:
                 restore(decoder, state, copy_caches=True)
                 new = job.prompt[len(state.history) :]
                 cached = len(state.history) - state.pending
             job.events.put(Started(len(job.prompt), cached))
-            self.prefills.joining.append(
-                Joining(job, draft, num_draft_tokens, decoder, new, len(new) > 1)
-            )
+            j = Joining(job, draft, num_draft_tokens, decoder, new, len(new) > 1)
+            self.prefills.join(j, p.shared_prefix)
         except Exception as e:  # reported to its client; the others go on
             log.exception("request failed")
             job.events.put(e)

@@ -31,6 +31,9 @@ class GenerationParams:
     tools: Optional[List[Dict[str, Any]]] = None
     # keyword arguments of mlx-lm's make_logits_processors (empty: none)
     logits: Dict[str, Any] = field(default_factory=dict)
+    # prompt tokens other requests likely begin with (a first turn's system
+    # prompt and tools): the prefill keeps a state there
+    shared_prefix: int = 0
 
 
 @dataclass

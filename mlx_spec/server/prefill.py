@@ -10,17 +10,21 @@ any kept state covers waits for that prefill to reach the end of the common
 part, where a state is kept (its last token pending); it then continues from
 that state and prefills only the rest. Waiting costs it nothing: prompts are
 prefilled in arrival order, so it would have waited for the earlier one anyway.
+
+A first turn's system prompt and tools (``GenerationParams.shared_prefix``)
+get a state kept where they end, whatever arrives with them: every new
+conversation with the same system prompt then begins from it.
 """
 
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, List, Sequence, Set, Tuple, Union
+from typing import Callable, List, Set, Tuple, Union
 
 from ..core.decode import SpeculativeDecoder
 from ..core.snapshot import capture
 from .events import Job
-from .state_cache import StateCache
+from .state_cache import StateCache, common_prefix
 
 log = logging.getLogger("mlx_spec.server")
 
@@ -49,15 +53,6 @@ class Joining:
         return self.decoder.history + self.todo
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class PrefillQueue:
     """The joining prompts in arrival order, and the jobs waiting for one of
     them to reach the prefix they share."""
@@ -69,6 +64,14 @@ class PrefillQueue:
 
     def __len__(self) -> int:
         return len(self.joining) + len(self.waiting)
+
+    def join(self, j: Joining, shared_prefix: int = 0):
+        """Queue ``j``, to keep a state after its first ``shared_prefix``
+        tokens too (those other requests likely begin with) when that covers
+        at least ``SHARED_MIN`` more than the state it continues."""
+        if j.fed + SHARED_MIN <= shared_prefix < len(j.prompt):
+            j.marks.add(shared_prefix)
+        self.joining.append(j)
 
     def keep(self, j: Joining):
         """Keep ``j``'s state as fed so far, its last token pending."""

@@ -15,6 +15,7 @@ from ..drafters import DRAFTS
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..mlx_lm_compat import server_message_helpers
 from .events import GenerationParams
+from .state_cache import common_prefix
 
 MAX_TOP_LOGPROBS = 20
 
@@ -189,9 +190,12 @@ def check_length(prompt: List[int], ctx: ServerContext):
 
 
 def chat_prompt(messages, tools, ctx: ServerContext, template_kwargs=None):
-    """``(prompt tokens, initial text state)`` of a conversation: the chat
-    template as mlx_lm.server applies it (with the tools), or, for a
-    tokenizer without one, mlx_lm.server's plain role-prefixed text."""
+    """``(prompt tokens, initial text state, shared)`` of a conversation: the
+    chat template as mlx_lm.server applies it (with the tools), or, for a
+    tokenizer without one, mlx_lm.server's plain role-prefixed text.
+    ``shared``: for a first turn (system messages, then one user message), the
+    prompt's tokens before that message, which every new conversation with
+    the same system prompt and tools begins with; else 0."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", param="messages")
     for i, m in enumerate(messages):
@@ -208,25 +212,40 @@ def chat_prompt(messages, tools, ctx: ServerContext, template_kwargs=None):
             )
     if tools is not None and not isinstance(tools, list):
         raise RequestError("'tools' must be a list", param="tools")
+    prompt = _render(messages, tools, ctx, template_kwargs)
+    check_length(prompt, ctx)
+    *system, last = messages
+    shared = 0
+    if last["role"] == "user" and all(m["role"] == "system" for m in system):
+        # where the user's text starts: renderings with other texts part there
+        shared = min(
+            common_prefix(
+                prompt,
+                _render(system + [{**last, "content": c}], tools, ctx, template_kwargs),
+            )
+            for c in ("a", "b")
+        )
+    return prompt, initial_state(ctx.tokenizer, prompt), shared
+
+
+def _render(messages, tools, ctx: ServerContext, template_kwargs) -> List[int]:
     convert_chat, process_message_content = server_message_helpers()
     messages = copy.deepcopy(messages)
     tok = ctx.tokenizer
     try:
         process_message_content(messages)
         if not tok.has_chat_template:
-            prompt = tok.encode(convert_chat(messages))
-        else:
-            args = dict(ctx.chat_template_args or {}, **(template_kwargs or {}))
-            prompt = tok.apply_chat_template(
+            return list(tok.encode(convert_chat(messages)))
+        args = dict(ctx.chat_template_args or {}, **(template_kwargs or {}))
+        return list(
+            tok.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=True, **args
             )
+        )
     except (ValueError, TypeError, KeyError) as e:
         raise RequestError(f"cannot build the prompt: {e}", param="messages") from None
     except Exception as e:  # a chat template's own error (jinja)
         raise RequestError(f"the chat template failed: {e}", param="messages") from None
-    prompt = list(prompt)
-    check_length(prompt, ctx)
-    return prompt, initial_state(tok, prompt)
 
 
 def text_prompt(prompt, ctx: ServerContext) -> List[int]:
@@ -260,8 +279,8 @@ def openai_request(path: str, body, ctx: ServerContext) -> Tuple[List[int], str,
         top = field(body, "top_logprobs", "int", 0, low=0, high=MAX_TOP_LOGPROBS)
         tools = body.get("tools")
         kwargs = field(body, "chat_template_kwargs", "dict")
-        prompt, state = chat_prompt(body.get("messages"), tools, ctx, kwargs)
-        params.tools = tools
+        prompt, state, shared = chat_prompt(body.get("messages"), tools, ctx, kwargs)
+        params.tools, params.shared_prefix = tools, shared
         params.logprobs = bool(logprobs)
         params.top_logprobs = top if logprobs else 0
     else:  # completions: logprobs is the number of alternatives

@@ -16,6 +16,16 @@ from typing import List, Optional, Sequence, Tuple
 from ..core.snapshot import DecoderState
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens ``a`` and ``b`` begin with in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class StateCache:
     def __init__(self, max_bytes: int, max_entries: int = 10):
         self.max_bytes, self.max_entries = max_bytes, max_entries
