@@ -1,7 +1,9 @@
 """Drive ``mlx_spec server`` and ``mlx_lm.server`` on the same model with N
 concurrent clients, in one run, and report throughput, time to first token
 and the speculation counters; then time the first token of turn 2 of a long
-conversation against turn 1 (the kept conversation state at work).
+conversation against turn 1 (the kept conversation state at work), and of two
+new conversations with the same long system prompt (the state kept where it
+ends, at work in the second).
 
 Servers: ``mlx_spec`` (batched speculation, ``--decode-concurrency 8``),
 ``mlx_spec-serial`` (the same server one request at a time) and ``mlx_lm``
@@ -119,6 +121,20 @@ def conversation(port, context, max_tokens, extra):
     return one["ttft"], two["ttft"]
 
 
+def new_conversations(port, system, max_tokens, extra):
+    """Time to first token of two new conversations with the same (long)
+    system prompt and different questions, one after the other."""
+    ttfts = []
+    for question in ("Write a function that parses a date.", "Add a stack class."):
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ]
+        body = {"messages": messages, "max_tokens": max_tokens, **extra}
+        ttfts.append(stream(port, "/v1/chat/completions", body)["ttft"])
+    return ttfts
+
+
 def run_server(name, argv, port, prompts, context, args, log_dir):
     extra = {"temperature": 0.0}
     rows = []
@@ -129,12 +145,11 @@ def run_server(name, argv, port, prompts, context, args, log_dir):
                 {"server": name, **concurrent(port, prompts, n, args.max_tokens, extra)}
             )
             print(json.dumps(rows[-1]), flush=True)
-        ttft1, ttft2 = conversation(port, context, 32, extra)
-    print(
-        json.dumps({"server": name, "turn1_ttft": ttft1, "turn2_ttft": ttft2}),
-        flush=True,
-    )
-    return rows, (ttft1, ttft2)
+        turns = list(conversation(port, context, 32, extra))
+        turns += new_conversations(port, context, 32, extra)
+    keys = ("turn1_ttft", "turn2_ttft", "system1_ttft", "system2_ttft")
+    print(json.dumps({"server": name, **dict(zip(keys, turns))}), flush=True)
+    return rows, turns
 
 
 def cpu_float32_copy(model: str, into: Path) -> str:
@@ -230,10 +245,13 @@ def main():
             f"{r['request_tps']:.1f} | {r['ttft_median']:.3f} | {spec} |"
         )
     print()
-    print("| server | turn 1 TTFT s | turn 2 TTFT s |")
-    print("|---|---|---|")
-    for name, (one, two) in turns.items():
-        print(f"| {name} | {one:.3f} | {two:.3f} |")
+    print(
+        "| server | turn 1 TTFT s | turn 2 TTFT s | new conversation, same system "
+        "prompt: first, second TTFT s |"
+    )
+    print("|---|---|---|---|")
+    for name, (one, two, first, second) in turns.items():
+        print(f"| {name} | {one:.3f} | {two:.3f} | {first:.3f}, {second:.3f} |")
     print(f"\nserver logs: {log_dir}")
 
 
