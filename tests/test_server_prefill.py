@@ -128,3 +128,20 @@ def test_a_first_turns_system_prompt_is_kept_for_new_conversations(models, famil
     finally:
         tok.eos_token_ids = eos
         engine.close()
+
+
+class _Template:
+    """A chat template that renders a fixed prompt and refuses one-letter texts."""
+
+    has_chat_template, has_thinking, response_initial_state = True, False, None
+
+    def apply_chat_template(self, messages, **kwargs):
+        if messages[-1]["content"] in ("a", "b"):
+            raise ValueError("refused")
+        return list(range(50))
+
+
+def test_a_template_that_refuses_the_other_texts_still_serves_the_turn():
+    ctx = ServerContext(_Template(), "stub", {})
+    turn = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    assert chat_prompt(turn, None, ctx) == (list(range(50)), "normal", 0)

@@ -214,18 +214,27 @@ def chat_prompt(messages, tools, ctx: ServerContext, template_kwargs=None):
         raise RequestError("'tools' must be a list", param="tools")
     prompt = _render(messages, tools, ctx, template_kwargs)
     check_length(prompt, ctx)
+    shared = _system_prefix(messages, tools, ctx, template_kwargs, prompt)
+    return prompt, initial_state(ctx.tokenizer, prompt), shared
+
+
+def _system_prefix(messages, tools, ctx, template_kwargs, prompt) -> int:
+    """Where a first turn's user text starts in ``prompt``: renderings of the
+    turn with other texts part there (0: not a first turn, or a template that
+    refuses the other texts)."""
     *system, last = messages
-    shared = 0
-    if last["role"] == "user" and all(m["role"] == "system" for m in system):
-        # where the user's text starts: renderings with other texts part there
-        shared = min(
+    if last["role"] != "user" or any(m["role"] != "system" for m in system):
+        return 0
+    try:
+        return min(
             common_prefix(
                 prompt,
                 _render(system + [{**last, "content": c}], tools, ctx, template_kwargs),
             )
             for c in ("a", "b")
         )
-    return prompt, initial_state(ctx.tokenizer, prompt), shared
+    except RequestError:
+        return 0
 
 
 def _render(messages, tools, ctx: ServerContext, template_kwargs) -> List[int]:
