@@ -145,3 +145,17 @@ def test_a_template_that_refuses_the_other_texts_still_serves_the_turn():
     ctx = ServerContext(_Template(), "stub", {})
     turn = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
     assert chat_prompt(turn, None, ctx) == (list(range(50)), "normal", 0)
+
+
+def test_a_job_cancelled_while_it_waits_never_starts(models):
+    model, tok = models["qwen3_next"]
+    engine = Engine(model, tok, "ngram", 3, start=False)
+    prompt = prompts("random", n=80, seed=5)
+    first, second = (Job(prompt, GenerationParams(4)) for _ in range(2))
+    engine._start(first)
+    engine._start(second)  # the same prompt: it waits for the first's prefill
+    assert [w[0] for w in engine.prefills.waiting] == [second]
+    second.cancel()
+    engine._prefill(engine._new_batch())  # the first joins; the second is dropped
+    assert len(engine._live) == 1 and len(engine.prefills) == 0
+    assert [type(e) for e in list(second.events.queue)] == []

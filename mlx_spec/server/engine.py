@@ -223,7 +223,9 @@ class Engine:
     def _start(self, job: Job):
         """The job's decoder, from the longest kept state its prompt extends;
         it joins the prefilling jobs, or waits for one that will keep a
-        longer state its prompt extends."""
+        longer state its prompt extends (a job cancelled meanwhile is dropped)."""
+        if job.cancelled:
+            return
         try:
             p = job.params
             draft = p.draft or self.draft
