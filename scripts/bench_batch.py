@@ -119,12 +119,20 @@ def main():
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-draft-tokens", default="3")
     p.add_argument("--prefill", type=int, help="measure prefill of N-token prompts")
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        help="the rows' prompts, by workload name (default: the copy and free-text "
+        "ones; bench_server.py also sends long-context, whose attention makes "
+        "every row's pass dearer)",
+    )
     args = p.parse_args()
     k = args.num_draft_tokens
     k = k if k == "auto" else int(k)
     model, tok = mlx_spec.load(args.model)
-    kinds = ("copy", "free")  # the long-context workload only slows prefill
-    prompts = [tok.encode(w["prompt"]) for w in load_workloads(None, kinds, tok)]
+    workloads = load_workloads(None, None, tok)
+    names = args.workloads or [w["name"] for w in workloads if w["kind"] != "long"]
+    prompts = [tok.encode(w["prompt"]) for w in workloads if w["name"] in names]
     print(json.dumps(machine_info()))
     if args.prefill:
         return bench_prefill(model, prompts, args.prefill, args.rows)
