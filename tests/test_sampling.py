@@ -7,7 +7,12 @@ import pytest
 import mlx_spec
 import mlx_spec.core.verify as verify
 from mlx_spec.core.decode import speculative_generate_step
-from mlx_spec.core.sampling import Sampler, make_sampler, rejection_sample
+from mlx_spec.core.sampling import (
+    Sampler,
+    make_draft_sampler,
+    make_sampler,
+    rejection_sample,
+)
 from mlx_spec.drafters import make_drafter
 from mlx_spec.testing.distributions import (
     chi2_pvalue,
@@ -254,3 +259,22 @@ def test_xtc_settings_mlx_lm_refuses_are_refused_up_front(probability, threshold
     with pytest.raises(ValueError, match=f"got {probability!r} and {threshold!r}"):
         make_sampler(1.0, xtc_probability=probability, xtc_threshold=threshold)
     make_sampler(1.0, xtc_probability=0.5, xtc_threshold=0.5)  # the bounds are fine
+
+
+def test_draft_sampler_processors_see_the_history_as_it_grows():
+    """The history array is converted once per length, never left stale: the
+    processors see the tokens appended since, then the drafts of this pass."""
+    seen = []
+
+    def record(tokens, logits):
+        seen.append(tokens.tolist())
+        return logits
+
+    history = [3, 4]
+    choose = make_draft_sampler(make_sampler(0.7), [record], history)
+    logits = mx.zeros((8,))
+    first, _ = choose(logits, [])
+    choose(logits, [first])
+    history += [5]
+    choose(logits, [])
+    assert seen == [[3, 4], [3, 4, first.item()], [3, 4, 5]]

@@ -166,17 +166,21 @@ def make_draft_sampler(sampler, processors, history: List[int]):
     distribution under the same processing as the target's (logits processors
     with ``history`` plus the tokens drafted so far, then the sampler's
     filters and temperature), and the token is a sample of q. Everything
-    stays lazy, so drafting needs no host synchronisation.
+    stays lazy, so drafting needs no host synchronisation. ``history`` only
+    grows (it is extended in place): it is converted to an array once per
+    length, not at every draft step (contexts run long).
     """
     if getattr(sampler, "greedy", True) or not hasattr(sampler, "logits"):
         return None
+    converted = [-1, None]  # the history's length and array when last converted
 
     def choose(logits: mx.array, drafted: List[mx.array]):
         row = logits[None]
         if processors:
-            seen = mx.array(history, mx.uint32)
+            if converted[0] != len(history):
+                converted[:] = len(history), mx.array(history, mx.uint32)
             tokens = mx.concatenate(
-                [seen] + [d.reshape(1).astype(mx.uint32) for d in drafted]
+                [converted[1]] + [d.reshape(1).astype(mx.uint32) for d in drafted]
             )
             for p in processors:
                 row = p(tokens, row)
