@@ -59,6 +59,14 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model
 
+# make_logits_processors' penalties (the fields mlx_lm.server reads from a
+# request): (keyword, its lowest value or None, its context-size keyword).
+PENALTIES = (
+    ("repetition_penalty", 0, "repetition_context_size"),
+    ("presence_penalty", None, "presence_context_size"),
+    ("frequency_penalty", None, "frequency_context_size"),
+)
+
 # The releases the test suite passed on; pyproject.toml allows this minor series.
 TESTED_MLX_LM = ("0.32.0", "0.32.2")
 MLX_LM_VERSION = mlx_lm.__version__
@@ -82,6 +90,7 @@ __all__ = [
     "GenerationResponse",
     "KVCache",
     "MLX_LM_VERSION",
+    "PENALTIES",
     "QuantizedSwitchLinear",
     "Qwen3NextAttention",
     "Qwen3NextMLP",

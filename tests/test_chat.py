@@ -59,10 +59,10 @@ def replies_of(stdout):
     return [part.rstrip("\n") for part in stdout.split(">> ")[1:]]
 
 
-def reference_replies(model, tok, turns, max_tokens=24):
+def reference_replies(model, tok, turns, max_tokens=24, **kwargs):
     """What mlx-lm greedy gives for the same conversation: the same turn
     tokens (plain-continuation fallback: this tokenizer has no chat template),
-    one prompt cache carried across turns."""
+    one prompt cache carried across turns; ``kwargs`` go to each turn."""
     args = setup_parser().parse_args(["--max-tokens", str(max_tokens)])
     session = ChatSession(model, tok, args)  # only used to build turn tokens
     cache, out = make_prompt_cache(model), []
@@ -72,7 +72,7 @@ def reference_replies(model, tok, turns, max_tokens=24):
         reply = [
             r.token
             for r in mlx_stream_generate(
-                model, tok, mx.array(tokens), max_tokens, prompt_cache=cache
+                model, tok, mx.array(tokens), max_tokens, prompt_cache=cache, **kwargs
             )
         ]
         detok = tok.detokenizer  # the streaming detokenizer, as the chat prints
@@ -103,6 +103,31 @@ def test_three_turns_match_mlx_lm_and_prefill_only_new_tokens(checkpoint_dirs, m
     assert f"prefilled {ref[2][1]} tokens" in stats  # turn 3: its own tokens only
     context = int(stats.split(" tokens of context")[0].split()[-1])
     assert ref[2][1] < context // 3
+
+
+def test_penalty_flags_apply_to_every_turn(
+    checkpoint_dirs, models, monkeypatch, capsys
+):
+    """Each turn is mlx-lm's under the same penalties (they see the turn's own
+    tokens, as mlx-lm's do with a prompt cache), not the unpenalised reply."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tok = models["qwen3_5"]
+    flags = ["--repetition-penalty", "3", "--repetition-context-size", "12"]
+    status, out, err = run_chat(
+        checkpoint_dirs["qwen3_5"],
+        TURNS,
+        *flags,
+        monkeypatch=monkeypatch,
+        capsys=capsys,
+    )
+    assert status == 0, err
+    processors = make_logits_processors(
+        repetition_penalty=3.0, repetition_context_size=12
+    )
+    want = reference_replies(model, tok, TURNS, 8, logits_processors=processors)
+    assert replies_of(out)[:3] == [text for text, _ in want]
+    assert want != reference_replies(model, tok, TURNS, 8)
 
 
 def test_save_quit_load_continue(checkpoint_dirs, tmp_path):

@@ -17,6 +17,9 @@ CASES = (
     "broken_config",
     "truncated_weights",
     "negative_temp",
+    "negative_repetition_penalty",
+    "infinite_presence_penalty",
+    "empty_penalty_context",
     "missing_model",
 )
 
@@ -63,6 +66,18 @@ def bad_input(checkpoint_dirs, tmp_path_factory):
             str(truncated / "model.safetensors"),
         ),
         "negative_temp": (model + ["--temp", "-1"], "--temp must be >= 0, got -1.0"),
+        "negative_repetition_penalty": (
+            model + ["--repetition-penalty", "-0.5"],
+            "--repetition-penalty must be a number >= 0, got -0.5",
+        ),
+        "infinite_presence_penalty": (
+            model + ["--presence-penalty", "inf"],
+            "--presence-penalty must be a number, got inf",
+        ),
+        "empty_penalty_context": (
+            model + ["--frequency-penalty", "1", "--frequency-context-size", "0"],
+            "--frequency-context-size must be >= 1, got 0",
+        ),
         "missing_model": (["--model", str(root / "missing")], str(root / "missing")),
     }
 

@@ -170,3 +170,36 @@ def test_cli_generate(checkpoint_dirs):
         cmd + ["--num-draft-tokens", "40"], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2 and "got 40" in bad.stderr
+
+
+def test_cli_penalty_flags_match_mlx_lm(checkpoint_dirs, models, family, capsys):
+    """``--repetition-penalty`` and ``--frequency-penalty`` reach every pass:
+    the text is mlx-lm's under the same processors, and not the unpenalised one."""
+    from mlx_lm.generate import generate as mlx_generate
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from mlx_spec.commands.generate import main
+
+    model, tok = models[family]
+    text = "a = 1\na = 1\na = 1\nb = 2\nb = 2\na ="
+    penalties = dict(
+        repetition_penalty=3.0,
+        repetition_context_size=8,
+        frequency_penalty=2.0,
+        frequency_context_size=16,
+    )
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in penalties.items()]
+    status = main(
+        ["--model", str(checkpoint_dirs[family]), "--prompt", text]
+        + ["--max-tokens", "24", "--num-draft-tokens", "3", "--verbose", "False"]
+        + flags
+    )
+    assert status == 0
+    got = capsys.readouterr().out
+
+    def reference(**kw):
+        return mlx_generate(model, tok, mx.array(tok.encode(text)), max_tokens=24, **kw)
+
+    want = reference(logits_processors=make_logits_processors(**penalties))
+    assert got == want + "\n"
+    assert want != reference()

@@ -30,12 +30,14 @@ from ..mlx_lm_compat import chat_arg_parser
 from ..models.pipeline import broadcast_text
 from .common import (
     CommandError,
+    add_penalty_flags,
     add_pipeline_flag,
     add_speculation_flags,
     bad_input,
     command,
     join_pipeline,
     load_model,
+    logits_processors_from_flags,
     refuse_unsupported,
     sampler_from_flags,
 )
@@ -60,6 +62,7 @@ class ChatSession:
     def __init__(self, model, tokenizer, args):
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.sampler = sampler_from_flags(args, tokenizer)
+        self.logits_processors = logits_processors_from_flags(args)
         self.session_stats = SpecStats()
         self.turn_stats = None  # no reply yet
         self.turn_tps = self.session_tokens = self.session_seconds = 0.0
@@ -108,6 +111,7 @@ class ChatSession:
             num_draft_tokens=self.args.num_draft_tokens,
             max_tokens=self.args.max_tokens,
             sampler=self.sampler,
+            logits_processors=self.logits_processors,
             stop_tokens=self.tokenizer.eos_token_ids,
             should_stop=interrupted,  # checked between passes: state stays whole
         )
@@ -180,6 +184,7 @@ def setup_parser():
         chat_arg_parser(), PROG, "Chat with speculative decoding."
     )
     parser.add_argument("--top-k", type=int, default=0, help="Sampling top-k")
+    add_penalty_flags(parser)
     add_pipeline_flag(parser, "reads the lines and prints")
     parser.add_argument(
         "--prompt-cache-file",

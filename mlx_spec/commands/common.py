@@ -1,10 +1,12 @@
 """What the commands share: the drafting flags added to mlx-lm's parsers, bad
 input reported as one line with exit status 2, loading a model (every failure
-to load named by its directory or file), and the sampler their flags ask for."""
+to load named by its directory or file), and the sampler and logits
+processors their flags ask for."""
 
 import argparse
 import functools
 import json
+import math
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +20,7 @@ from ..demo import default_model_path
 from ..drafters import DRAFTS
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..loading import load
+from ..mlx_lm_compat import PENALTIES, make_logits_processors
 from ..models.mtp import SIDECAR_NAME
 from ..models.pipeline import shared_seed
 
@@ -216,3 +219,42 @@ def sampler_from_flags(args, tokenizer):
         xtc_threshold=args.xtc_threshold,
         xtc_special_tokens=xtc_special_tokens(tokenizer),
     )
+
+
+def add_penalty_flags(parser: argparse.ArgumentParser):
+    """``--repetition-penalty``, ``--presence-penalty``, ``--frequency-penalty``
+    and their ``--*-context-size``: the penalties mlx_lm.server takes per request."""
+    for name, _, context in PENALTIES:
+        kind = name.split("_")[0]
+        parser.add_argument(
+            _flag(name),
+            type=float,
+            default=0.0,
+            help=f"Penalty on the tokens seen in the last --{kind}-context-size "
+            f"tokens (0: off), as mlx_lm.server's {name}.",
+        )
+        parser.add_argument(
+            _flag(context),
+            type=int,
+            default=20,
+            help=f"Tokens of context the {kind} penalty looks at (default 20).",
+        )
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def logits_processors_from_flags(args):
+    """mlx-lm's logits processors for the penalty flags (None when all are 0)."""
+    chosen = {}
+    for name, low, context in PENALTIES:
+        value, size = getattr(args, name), getattr(args, context)
+        if not math.isfinite(value) or (low is not None and value < low):
+            floor = "a number" if low is None else f"a number >= {low}"
+            raise CommandError(f"{_flag(name)} must be {floor}, got {value}")
+        if size < 1:
+            raise CommandError(f"{_flag(context)} must be >= 1, got {size}")
+        if value:
+            chosen[name], chosen[context] = value, size
+    return make_logits_processors(**chosen) if chosen else None

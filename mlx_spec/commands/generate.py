@@ -9,12 +9,14 @@ from ..generate import generate
 from ..mlx_lm_compat import generate_arg_parser
 from .common import (
     CommandError,
+    add_penalty_flags,
     add_pipeline_flag,
     add_speculation_flags,
     bad_input,
     command,
     join_pipeline,
     load_model,
+    logits_processors_from_flags,
     one_line,
     refuse_unsupported,
     sampler_from_flags,
@@ -30,6 +32,7 @@ def setup_parser():
         "mlx_spec generate",
         "Speculative generation with drafts from the model's MTP head or n-gram lookup.",
     )
+    add_penalty_flags(parser)
     add_pipeline_flag(parser, "prints")
     # The demo model was trained on Python code.
     parser.set_defaults(prompt="import os\nimport sys\n\n\ndef main(argv):\n    ")
@@ -53,6 +56,7 @@ def _pipeline_errors(group):
 def main(argv=None):
     args = setup_parser().parse_args(argv)
     refuse_unsupported(args, _UNSUPPORTED)
+    processors = logits_processors_from_flags(args)
     group = join_pipeline(args)
     _, model, tokenizer = load_model(
         args.model, mtp_path=args.mtp_path, pipeline_group=group
@@ -87,6 +91,7 @@ def main(argv=None):
             max_tokens=args.max_tokens,
             verbose=args.verbose and not quiet,
             sampler=sampler,
+            logits_processors=processors,
             draft=args.draft,
             num_draft_tokens=args.num_draft_tokens,
             max_ngram=args.max_ngram,

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..drafters import DRAFTS
 from ..drafters.base import MAX_DRAFT_TOKENS
-from ..mlx_lm_compat import server_message_helpers
+from ..mlx_lm_compat import PENALTIES, server_message_helpers
 from .events import GenerationParams
 from .state_cache import common_prefix
 
@@ -127,12 +127,6 @@ def generation_params(body, ctx: ServerContext, max_tokens_field="max_tokens"):
     )
 
 
-# mlx_lm.server's penalty fields: (penalty, its lowest value, its context size).
-PENALTIES = (
-    ("repetition_penalty", 0, "repetition_context_size"),
-    ("presence_penalty", None, "presence_context_size"),
-    ("frequency_penalty", None, "frequency_context_size"),
-)
 MAX_BIAS = 100  # OpenAI's bound on a logit_bias value
 
 
