@@ -72,6 +72,30 @@ def test_rows_with_logits_processors_equal_mlx_lm(models, family, kinds):
     assert rows[b] == want[1]
 
 
+def test_greedy_head_drafts_follow_each_rows_processors(models, family):
+    """The batched head drafts a greedy row with processors as their argmax
+    (a processor forcing the successor of the last token: every draft right),
+    beside a row without any, which drafts the raw argmax; both equal mlx-lm."""
+
+    def successor(tokens, logits):  # [1, V]: the last token + 1, always
+        forced = (tokens[-1].astype(mx.int32) + 1) % logits.shape[-1]
+        return mx.where(mx.arange(logits.shape[-1]) == forced, 100.0, logits)
+
+    model, tok = models[family]
+    batch = BatchDecoder(model, n_slots=2, max_draft=3)
+    rows, want, decoders = {}, {}, {}
+    for seed, procs in ((3, [successor]), (4, None)):
+        prompt = prompts("mixed", seed=seed)
+        decoder = fed_decoder(model, prompt, make_drafter("mtp", model), 3)
+        b = batch.add(decoder, 20, num_draft_tokens=3, logits_processors=procs)
+        want[b] = reference_tokens(model, tok, prompt, 20, logits_processors=procs)
+        rows[b], decoders[b] = [], decoder
+    run_batch(batch, rows)
+    assert rows == want
+    forced = decoders[0].stats
+    assert forced.accepted == forced.drafted > 0
+
+
 TOP_K, N_RUNS = 6, 500
 
 

@@ -304,3 +304,35 @@ def test_a_prompt_of_two_tokens_has_no_row_to_judge(models):
     model, tok = models["qwen3_next"]
     drafter, _ = _judged_plain_run(model, tok.encode(PROMPT)[:2], max_tokens=3)
     assert drafter.hindsight() == {}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_drafts_follow_the_logits_processors(models, family, monkeypatch):
+    """Greedy under logits processors: the head drafts its argmax after them.
+    A processor that forces the successor of the last token makes every such
+    draft right and the raw argmax's wrong (drafting that way is the
+    control); both are lossless."""
+    import mlx_spec.core.decode as decode
+
+    def successor(tokens, logits):  # [1, V]: the last token + 1, always
+        forced = (tokens[-1].astype(mx.int32) + 1) % logits.shape[-1]
+        return mx.where(mx.arange(logits.shape[-1]) == forced, 100.0, logits)
+
+    model, tok = models[family]
+    procs = [successor]
+    kw = dict(max_tokens=24, logits_processors=procs)
+    want = [r.token for r in mlx_lm.stream_generate(model, tok, PROMPT, **kw)]
+
+    def run():
+        stats = SpecStats()
+        out = stream_generate(
+            model, tok, PROMPT, draft="mtp", num_draft_tokens=3, stats=stats, **kw
+        )
+        assert [r.token for r in out] == want
+        return stats
+
+    processed = run()
+    assert processed.accepted == processed.drafted > 0
+    monkeypatch.setattr(decode, "make_draft_sampler", lambda *_: None)
+    raw = run()
+    assert raw.accepted < raw.drafted / 4

@@ -278,3 +278,16 @@ def test_draft_sampler_processors_see_the_history_as_it_grows():
     history += [5]
     choose(logits, [])
     assert seen == [[3, 4], [3, 4, first.item()], [3, 4, 5]]
+
+
+def test_greedy_draft_sampler_takes_the_argmax_after_the_processors():
+    """Greedy: no chooser without processors (the drafter's own argmax);
+    with them, the argmax of the processed logits and no q (deterministic)."""
+    assert make_draft_sampler(make_sampler(0.0), [], [1]) is None
+
+    def ban_two(tokens, logits):
+        return logits.at[:, 2].add(-10.0)
+
+    choose = make_draft_sampler(make_sampler(0.0), [ban_two], [1])
+    token, q = choose(mx.array([0.0, 1.0, 3.0, 2.0]), [])
+    assert token.item() == 3 and q is None

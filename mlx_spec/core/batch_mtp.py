@@ -145,9 +145,10 @@ class MTPBatch:
         """Draft ``k`` tokens for each member index -> k in ``wants`` (caught
         up, with a head row) and offer them to the members; the head's steps
         run once per step for all members. Greedy rows take one argmax over
-        [B, V] per step; a sampling row samples its own row. The drafts stay
-        lazy: the verify pass takes them as input, so the host builds it
-        while the device still drafts, and waits once, for the verdicts."""
+        [B, V] per step; a row with a ``choose`` (sampling, or logits
+        processors) chooses from its own row. The drafts stay lazy: the verify
+        pass takes them as input, so the host builds it while the device still
+        drafts, and waits once, for the verdicts."""
         B, K = len(self.members), max(wants.values())
         states = {b: self.members[b].head_state for b in wants}
         hm, logits = next(iter(states.values()))
@@ -155,34 +156,35 @@ class MTPBatch:
         states = [states.get(b, rides) for b in range(B)]
         hm = mx.concatenate([s[0] for s in states])  # [B, 1, H]
         logits = mx.stack([s[1] for s in states])  # [B, V]
-        sampled = {b: [] for b in wants if self.members[b].choose is not None}
-        probs = {b: [] for b in sampled}
+        choosing = {b: [] for b in wants if self.members[b].choose is not None}
+        probs = {b: [] for b in choosing}
         steps, ids = [], None  # per step: logits [B, V], tokens [B]
         for step in range(K):
             if step:
                 hm = self.head.head_hidden(ids[:, None], hm, self.caches)
                 logits = self.head.logits(hm)[:, 0]
             ids = mx.argmax(logits, axis=-1).astype(mx.uint32)
-            if sampled:
-                ids = self._sample(logits, ids, step, wants, sampled, probs)
+            if choosing:
+                ids = self._choose(logits, ids, step, wants, choosing, probs)
             steps.append((logits, ids))
         for c in self.caches:  # nothing reads the draft-time rows again
             c.trim_rows([K - 1] * B)
         tokens = mx.stack([i for _, i in steps], axis=1)  # [B, K]
         logits = mx.stack([l for l, _ in steps], axis=1)  # [B, K, V]
-        q = {b: mx.stack(p) for b, p in probs.items()}
+        q = {b: mx.stack(p) for b, p in probs.items() if p}  # sampled rows
         mx.async_eval(tokens, logits, q)  # started now; the verify pass waits
         for b, k in wants.items():
             self.members[b].offer(k, tokens[b][:k], logits[b, :k], q.get(b))
 
-    def _sample(self, logits, ids, step, wants, sampled, probs) -> mx.array:
-        """``ids`` [B] with each sampling row's token (its drafter's
+    def _choose(self, logits, ids, step, wants, choosing, probs) -> mx.array:
+        """``ids`` [B] with each choosing row's token (its drafter's
         ``choose``, which sees the row's tokens so far) in place of the argmax."""
         ids = [ids[b] for b in range(ids.size)]
-        for b, drafted in sampled.items():
+        for b, drafted in choosing.items():
             if step < wants[b]:
                 token, q = self.members[b].choose(logits[b], drafted)
                 drafted.append(token)
-                probs[b].append(q)
+                if q is not None:  # sampled, not a processed argmax
+                    probs[b].append(q)
                 ids[b] = token.astype(mx.uint32)
         return mx.stack(ids)

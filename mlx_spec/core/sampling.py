@@ -158,19 +158,22 @@ def scored_logprobs(
 
 
 def make_draft_sampler(sampler, processors, history: List[int]):
-    """How a drafter turns its logits into a draft token when sampling.
+    """How a drafter turns its logits into a draft token.
 
-    Returns None for greedy (or opaque) samplers: drafts are then the argmax,
-    i.e. deterministic, and verified against a one-hot q. Otherwise returns
-    ``choose(logits [V], drafted) -> (token, q [V])``: q is the drafter's
-    distribution under the same processing as the target's (logits processors
-    with ``history`` plus the tokens drafted so far, then the sampler's
-    filters and temperature), and the token is a sample of q. Everything
-    stays lazy, so drafting needs no host synchronisation. ``history`` only
-    grows (it is extended in place): it is converted to an array once per
-    length, not at every draft step (contexts run long).
+    Returns None for greedy (or opaque) samplers without logits processors:
+    drafts are then the argmax of the drafter's logits. Otherwise returns
+    ``choose(logits [V], drafted) -> (token, q)``, which runs the logits
+    through the target's processing (logits processors with ``history`` plus
+    the tokens drafted so far): greedy, the token is the argmax of the result
+    and q is None (a deterministic draft, verified against a one-hot q);
+    sampling, q [V] is the distribution after the sampler's filters and
+    temperature, and the token a sample of it. Everything stays lazy, so
+    drafting needs no host synchronisation. ``history`` only grows (it is
+    extended in place): it is converted to an array once per length, not at
+    every draft step (contexts run long).
     """
-    if getattr(sampler, "greedy", True) or not hasattr(sampler, "logits"):
+    greedy = getattr(sampler, "greedy", True) or not hasattr(sampler, "logits")
+    if greedy and not processors:
         return None
     converted = [-1, None]  # the history's length and array when last converted
 
@@ -184,6 +187,8 @@ def make_draft_sampler(sampler, processors, history: List[int]):
             )
             for p in processors:
                 row = p(tokens, row)
+        if greedy:  # what the target will choose if it agrees with the head
+            return mx.argmax(row[0]), None
         logprobs = row - mx.logsumexp(row, axis=-1, keepdims=True)
         q_logits = sampler.logits(logprobs)[0]
         return mx.random.categorical(q_logits), mx.softmax(q_logits, axis=-1)

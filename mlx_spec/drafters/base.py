@@ -11,9 +11,10 @@ required; the rest have defaults that a simple drafter never touches:
   and the target's own next token); hidden: [len(tokens), H] for the inputs
   that produced them (``needs_hidden``), else None.
 - ``needs_hidden``: whether ``reset``/``accept`` need the hidden states.
-- ``set_sampling(choose)``: the target samples; ``choose(logits, drafted)``
-  returns ``(token, q)`` for a drafter that can sample its drafts. Default:
-  drafts stay deterministic.
+- ``set_sampling(choose)``: the target samples or processes its logits;
+  ``choose(logits, drafted)`` returns ``(token, q)`` (q None: a deterministic
+  choice) for a drafter that drafts from logits. Default: drafts stay as the
+  drafter makes them.
 - ``draft_probs``: [m, V] the distributions the last draft was sampled from
   (rejection sampling needs them); None for a deterministic draft.
 - ``draft_tokens(k)``: optional, ``draft`` without a host synchronisation: the

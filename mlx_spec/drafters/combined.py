@@ -150,7 +150,8 @@ class MTPNgramDrafter(Drafter):
         return not self._learns() or self.score["mtp"] >= self.score["ngram"]
 
     def _learns(self) -> bool:
-        return self.learns_choice and self.mtp.choose is None  # not sampling
+        # scores compare copies with the head's plain argmax
+        return self.learns_choice and self.mtp.choose is None
 
     def draft(self, k: int) -> List[int]:
         tokens = self.draft_tokens(k)

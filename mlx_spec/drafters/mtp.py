@@ -61,7 +61,7 @@ class MTPDrafter(Drafter):
         self._draft_rows = 0  # draft-time rows in the cache, trimmed on accept
         self.verified = 0  # rows of verified positions in the cache
         self._pending = []  # accepted (tokens [L], hidden [L, H]) not yet run
-        self.choose = None  # sampling: logits, drafted -> (token, q); None: argmax
+        self.choose = None  # logits, drafted -> (token, q); None: the argmax
         self.draft_probs: Optional[mx.array] = None  # [m, V] q of a sampled draft
         self.pending_limit = PENDING_ROWS  # a batch that runs the rows lifts it
         self._offered = None  # a draft computed by a batch (see offer)
@@ -76,8 +76,8 @@ class MTPDrafter(Drafter):
             )
 
     def set_sampling(self, choose):
-        """Sample drafts with ``choose`` (see ``sampling.make_draft_sampler``);
-        None drafts the argmax."""
+        """Choose drafts with ``choose`` (see ``sampling.make_draft_sampler``:
+        a sample, or the argmax after logits processors); None: the argmax."""
         self.choose = choose
 
     @property
@@ -130,8 +130,8 @@ class MTPDrafter(Drafter):
     def _judge(self, hm: mx.array, chosen: mx.array):
         """Judge the d_1 of rows 0..L-2 against ``chosen`` [L-1], the token
         the target chose after each (row i's d_1 meets row i + 1's token).
-        hm: [1, L, H] of consecutive rows. Greedy drafts only: a sampled
-        draft is judged when it is verified."""
+        hm: [1, L, H] of consecutive rows. Plain argmax drafts only: a draft
+        sampled or processed is judged when it is verified."""
         if not self._judging or self.choose is not None or chosen.size == 0:
             return
         guesses = mx.argmax(self.head.logits(hm[:, :-1]), axis=-1)[0]  # [L-1]
@@ -277,7 +277,8 @@ class MTPDrafter(Drafter):
             else:
                 token, q = self.choose(logits, tokens)
                 tokens.append(token)
-                probs.append(q)
+                if q is not None:  # a sample: rejection sampling needs q
+                    probs.append(q)
         self._draft_rows = k - 1
         self.last_draft_logits = mx.stack(rows)
         if probs:
