@@ -20,11 +20,16 @@ checkpoint's ``training.json``):
    for ``ngram``, ``mtp`` and ``mtp+ngram``;
 4. the README's first command: 128 greedy tokens after ``def fibonacci(n):``,
    printed, with the share of its 16-token windows that already occurred
-   earlier in the text (near 1 for a model stuck in a loop);
+   earlier in the text (near 1 for a model stuck in a loop); plain greedy,
+   then under the repetition penalty the command passes
+   (``FIRST_COMMAND_PENALTY``);
 5. loops over many prompts: the same share for 128 greedy tokens after the
    ``def`` lines of ``--loop-prompts`` held-out functions (each line alone,
    as a first prompt), against the share of the held-out code that follows
-   each line; "looping" counts the texts whose share exceeds 0.3.
+   each line; "looping" counts the texts whose share exceeds 0.3; plain
+   greedy, then under that penalty;
+6. MTP acceptance as in 2, under that penalty (the head drafts its argmax
+   after the penalty, as the target chooses).
 
 Acceptance per position i is ``stats.accepted_at[i] / stats.drafted_at[i]``
 (the first i+1 drafts all accepted); "conditional" divides by the passes
@@ -44,6 +49,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.sample_utils import make_logits_processors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -140,15 +146,23 @@ def copy_prompts(held: dict, tok, n: int) -> list:
     return spread(candidates, n)
 
 
-def run_drafts(model, tok, prompts, draft, k, max_tokens) -> dict:
-    """Greedy generation over ``prompts``; ``max_tokens``: an int or one per prompt."""
+def run_drafts(model, tok, prompts, draft, k, max_tokens, penalty=None) -> dict:
+    """Greedy generation over ``prompts``; ``max_tokens``: an int or one per
+    prompt; ``penalty``: keyword arguments of ``make_logits_processors``."""
     stats = mlx_spec.SpecStats()
     if isinstance(max_tokens, int):
         max_tokens = [max_tokens] * len(prompts)
     t0 = time.perf_counter()
     for p, n in zip(prompts, max_tokens):
         for _ in mlx_spec.stream_generate(
-            model, tok, p, max_tokens=n, draft=draft, num_draft_tokens=k, stats=stats
+            model,
+            tok,
+            p,
+            max_tokens=n,
+            draft=draft,
+            num_draft_tokens=k,
+            stats=stats,
+            logits_processors=processors(penalty),
         ):
             pass
     cum = stats.acceptance_per_position
@@ -195,11 +209,28 @@ def repeated_share(tokens, n: int = 16) -> float:
 
 
 LOOPING_SHARE = 0.3  # a text with more repeated windows than this loops
+# What the README's first command adds to greedy decoding (its flags
+# --repetition-penalty 1.25 --repetition-context-size 64).
+FIRST_COMMAND_PENALTY = dict(repetition_penalty=1.25, repetition_context_size=64)
 
 
-def loop_shares(model, tok, held: dict, n: int, max_tokens: int = 128) -> dict:
-    """Repeated shares of greedy text after ``n`` held-out ``def`` lines and
-    of the code that really follows them (see item 5 above)."""
+def processors(penalty):
+    return make_logits_processors(**penalty) if penalty else None
+
+
+def greedy_tokens(model, tok, prompt: str, n: int, penalty=None) -> list:
+    """``n`` tokens of plain greedy decoding (under ``penalty``) after ``prompt``."""
+    out = mlx_spec.stream_generate(
+        model, tok, prompt, n, draft="none", logits_processors=processors(penalty)
+    )
+    return [r.token for r in out]
+
+
+def loop_shares(
+    model, tok, held: dict, n: int, max_tokens: int = 128, penalty=None
+) -> dict:
+    """Repeated shares of greedy text (under ``penalty``) after ``n`` held-out
+    ``def`` lines and of the code that really follows them (see item 5)."""
     starts = []
     for name in sorted(held):
         text = held[name]
@@ -208,12 +239,7 @@ def loop_shares(model, tok, held: dict, n: int, max_tokens: int = 128) -> dict:
     model_shares, code_shares = [], []
     for def_line, code in spread(starts, n):
         prompt = tok.encode(def_line)
-        out = [
-            r.token
-            for r in mlx_spec.stream_generate(
-                model, tok, def_line, max_tokens=max_tokens, draft="none"
-            )
-        ]
+        out = greedy_tokens(model, tok, def_line, max_tokens, penalty)
         model_shares.append(repeated_share(prompt + out))
         code_shares.append(repeated_share(tok.encode(code)[: len(prompt) + len(out)]))
     res = {}
@@ -222,9 +248,10 @@ def loop_shares(model, tok, held: dict, n: int, max_tokens: int = 128) -> dict:
             "mean_share": float(np.mean(shares)) if shares else 0.0,
             "looping": sum(x > LOOPING_SHARE for x in shares),
         }
-    res["prompts"] = len(model_shares)
+    res["prompts"], res["penalty"] = len(model_shares), penalty or {}
     print(
-        f"loops over {res['prompts']} held-out def lines: model mean share "
+        f"{'penalised: ' if penalty else ''}loops over {res['prompts']} held-out "
+        f"def lines: model mean share "
         f"{res['model']['mean_share']:.3f}, {res['model']['looping']} looping; the "
         f"held-out code {res['code']['mean_share']:.3f}, {res['code']['looping']} looping",
         flush=True,
@@ -232,18 +259,22 @@ def loop_shares(model, tok, held: dict, n: int, max_tokens: int = 128) -> dict:
     return res
 
 
-def first_command_sample(model, tok, prompt="def fibonacci(n):", n=128) -> dict:
-    out = [
-        r.token
-        for r in mlx_spec.stream_generate(
-            model, tok, prompt, max_tokens=n, draft="none"
-        )
-    ]
+def first_command_sample(
+    model, tok, prompt="def fibonacci(n):", n=128, penalty=None
+) -> dict:
+    out = greedy_tokens(model, tok, prompt, n, penalty)
     text = tok.decode(out)
     share = repeated_share(tok.encode(prompt) + out)
-    print(f"first command ({len(out)} tokens, repeated share {share:.2f}):")
+    print(f"first command, penalty {penalty or 'none'}", end=" ")
+    print(f"({len(out)} tokens, repeated share {share:.2f}):")
     print(prompt + text, flush=True)
-    return {"prompt": prompt, "tokens": len(out), "text": text, "repeated_share": share}
+    return {
+        "prompt": prompt,
+        "penalty": penalty or {},
+        "tokens": len(out),
+        "text": text,
+        "repeated_share": share,
+    }
 
 
 def _print(title: str, r: dict) -> None:
@@ -290,15 +321,24 @@ def evaluate(
         flush=True,
     )
 
+    penalty = FIRST_COMMAND_PENALTY
     res["first_command"] = first_command_sample(model, tok)
+    res["first_command_penalised"] = first_command_sample(model, tok, penalty=penalty)
     res["loops"] = loop_shares(model, tok, held, n_loop_prompts)
+    res["loops_penalised"] = loop_shares(
+        model, tok, held, n_loop_prompts, penalty=penalty
+    )
     prompts = code_prompts(held, tok, n_prompts, 320)
     res["code_prompts"] = len(prompts)
-    res["mtp"] = []
+    res["mtp"], res["mtp_penalised"] = [], []
     for k in ks:
         r = run_drafts(model, tok, prompts, "mtp", k, max_tokens)
         _print("mtp", r)
         res["mtp"].append(r)
+    for k in ks:
+        r = run_drafts(model, tok, prompts, "mtp", k, max_tokens, penalty)
+        _print("mtp (penalised)", r)
+        res["mtp_penalised"].append(r)
     head = model.mtp_head
     trained = head.parameters()
     head.update(shuffled(head, seed))
