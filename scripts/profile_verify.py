@@ -8,6 +8,9 @@ part, so the parts sum to slightly more than an unwrapped pass (printed too).
 The unwrapped pass is timed twice, interleaved (medians): with each GDN
 layer's output starting to evaluate once built (what mlx-spec does) and with
 nothing evaluated before the end, whose graph-building time is printed too.
+Then how long ``mx.async_eval`` of an unwrapped pass holds the host before
+returning, against the wait that is left after it (how much of a pass can
+overlap the host's own work).
 With ``--head``, also one draft step of the model's MTP head over a cache of
 ``--context`` rows, stored in float16 and in the head's compute dtype. With
 ``--head-prefill``, only the head's prefill over a ``--context``-token prompt
@@ -91,6 +94,35 @@ def early_and_not(decoder, T, repeats):
     return early[0], late[0], late[1]
 
 
+def async_eval_wait(decoder, T, repeats):
+    """Medians of a T-token pass built with no layer started early: the
+    seconds ``mx.async_eval`` of its outputs took to return, and the seconds
+    the host then still waited for them. On a GPU the first is short; on the
+    CPU, MLX's eval loop waits whenever more than a few tasks are in flight,
+    so it holds the host until nearly all of the pass has run."""
+    for c in decoder.cache.caches:
+        if isinstance(c, GDNSlotCache):
+            c.evaluate_early = False
+    returned, waited = [], []
+    for _ in range(repeats):
+        tokens = mx.array(decoder.history[-1:] * T)
+        mx.eval(tokens)
+        decoder.cache.begin(T)
+        logits, hidden = decoder.target.forward(tokens)
+        tic = time.perf_counter()
+        mx.async_eval(logits, hidden)
+        back = time.perf_counter()
+        mx.eval(logits, hidden)
+        returned.append(back - tic)
+        waited.append(time.perf_counter() - back)
+        decoder.cache.commit(1)
+        mx.eval([c.state for c in decoder.cache.caches])
+    for c in decoder.cache.caches:
+        if isinstance(c, GDNSlotCache):
+            c.evaluate_early = True
+    return statistics.median(returned), statistics.median(waited)
+
+
 def head_step_seconds(head, context, stored, repeats):
     """Best time of one draft step of ``head`` over ``context`` cached rows
     kept in ``stored`` (None: the compute dtype)."""
@@ -166,6 +198,12 @@ def main():
     decoder = SpeculativeDecoder(model, None, max_draft=max(a.tokens))
     decoder.feed([1 + i % 1000 for i in range(a.context)])  # ids in any vocabulary
     plain = {T: early_and_not(decoder, T, a.repeats) for T in a.tokens}
+    for T in a.tokens:
+        returned, waited = (1e3 * t for t in async_eval_wait(decoder, T, a.repeats))
+        print(
+            f"T={T}: mx.async_eval of the pass returned after {returned:.2f} ms, "
+            f"then the host waited {waited:.2f} ms more"
+        )
     totals = defaultdict(float)
     instrument(model, totals)
     print(f"context {a.context} tokens, ms per pass (median of {a.repeats}):")
