@@ -15,15 +15,22 @@ Switches (``--switch``):
 - ``stall-bound``: ``auto``'s cost fits count a pass as at most
   ``STALL_BOUND`` times what they expected (``mlx_spec/core/policy.py``;
   off: every pass in full).
+- ``processor-drafts``: with logits processors (``--repetition-penalty``) a
+  greedy target gets the head's argmax after them as drafts
+  (``make_draft_sampler`` in ``mlx_spec/core/sampling.py``; off: the raw
+  argmax; the head's rows are judged in hindsight either way);
+- ``processor-hindsight``: those drafts count as greedy, so the head's rows
+  are judged in hindsight for ``auto`` (off: as sampled ones, not judged).
 
 For each workload, drafter and draft length it alternates generations with
 the switch on and off, checks that both give the same tokens, and prints the
-median tokens/s of each.
+median tokens/s of each and the tokens per verify pass of the last of each.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
     python scripts/bench_switch.py [--switch early-start] [--model DIR]
         [--workload free-main ...] [--draft ngram mtp mtp+ngram]
         [--num-draft-tokens 3 auto] [--repeats 6]
+        [--repetition-penalty 1.25 --repetition-context-size 64]
 """
 
 import argparse
@@ -31,11 +38,13 @@ import json
 import statistics
 
 import mlx_spec
+import mlx_spec.core.decode as decode
 import mlx_spec.core.policy as policy
 import mlx_spec.core.verify_profile as verify_profile
 from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.core.state import GDNSlotCache
 from mlx_spec.demo import default_model_path
+from mlx_spec.mlx_lm_compat import make_logits_processors
 
 
 def _early_start(on: bool):
@@ -56,23 +65,51 @@ def _stall_bound(on: bool, default=policy.STALL_BOUND):
     policy.STALL_BOUND = default if on else float("inf")
 
 
+def _processor_drafts(on: bool, made=decode.make_draft_sampler):
+    def raw_when_greedy(sampler, processors, history):
+        choose = made(sampler, processors, history)
+        return choose if choose is None or choose.samples else None
+
+    decode.make_draft_sampler = made if on else raw_when_greedy
+
+
+def _processor_hindsight(on: bool, made=decode.make_draft_sampler):
+    def unjudged(sampler, processors, history):
+        choose = made(sampler, processors, history)
+        if choose is not None:
+            choose.samples = True
+        return choose
+
+    decode.make_draft_sampler = made if on else unjudged
+
+
 SWITCHES = {
     "early-start": _early_start,
     "depth-probes": _depth_probes,
     "long-profile": _long_profile,
     "stall-bound": _stall_bound,
+    "processor-drafts": _processor_drafts,
+    "processor-hindsight": _processor_hindsight,
 }
 
 
-def generation(model, tok, prompt, draft, k, max_tokens):
-    """(tokens/s after the prompt, as ``mlx_spec bench`` reports, tokens) of
-    one greedy generation."""
-    tokens = []
+def generation(model, tok, prompt, draft, k, max_tokens, processors=None):
+    """(tokens/s after the prompt, as ``mlx_spec bench`` reports, tokens,
+    tokens per verify pass) of one greedy generation (under ``processors``,
+    mlx-lm's)."""
+    tokens, stats = [], mlx_spec.SpecStats()
     for r in mlx_spec.stream_generate(
-        model, tok, prompt, max_tokens, draft=draft, num_draft_tokens=k
+        model,
+        tok,
+        prompt,
+        max_tokens,
+        draft=draft,
+        num_draft_tokens=k,
+        logits_processors=processors,
+        stats=stats,
     ):
         tokens.append(r.token)
-    return r.generation_tps, tokens
+    return r.generation_tps, tokens, stats.tokens_per_pass
 
 
 def main():
@@ -86,10 +123,21 @@ def main():
     p.add_argument("--num-draft-tokens", nargs="+", default=["3", "auto"])
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=0.0,
+        help="decode under mlx-lm's repetition penalty (0: none)",
+    )
+    p.add_argument("--repetition-context-size", type=int, default=20)
     a = p.parse_args()
     if a.repeats < 1:
         p.error(f"--repeats must be at least 1, got {a.repeats}")
     ks = [k if k == "auto" else int(k) for k in a.num_draft_tokens]
+    penalty = dict(
+        repetition_penalty=a.repetition_penalty,
+        repetition_context_size=a.repetition_context_size,
+    )
     model, tok = mlx_spec.load(a.model)
     workloads = {w["name"]: w for w in load_workloads(tokenizer=tok)}
     unknown = [w for w in a.workload if w not in workloads]
@@ -97,18 +145,25 @@ def main():
         p.error(f"unknown workload(s) {unknown}; known: {sorted(workloads)}")
     print(json.dumps(machine_info()), flush=True)
     switch = SWITCHES[a.switch]
-    print(f"{'workload':14} {'draft':10} {'k':>4} {'on':>7} {'off':>7} {'ratio':>6}")
+    print(
+        f"{'workload':14} {'draft':10} {'k':>4} {'on':>7} {'off':>7} {'ratio':>6}"
+        f" {'tok/pass on':>11} {'off':>5}"
+    )
     for name in a.workload:
         prompt = workloads[name]["prompt"]
         for draft in a.draft:
             for k in ks:
                 speeds, first = {True: [], False: []}, None
+                per_pass = {}
                 for r in range(a.repeats + 1):  # the first round warms up
                     order = (True, False) if r % 2 else (False, True)
                     for on in order:
                         switch(on)
-                        speed, tokens = generation(
-                            model, tok, prompt, draft, k, a.max_tokens
+                        processors = None
+                        if a.repetition_penalty:  # made afresh: no state shared
+                            processors = make_logits_processors(**penalty)
+                        speed, tokens, per_pass[on] = generation(
+                            model, tok, prompt, draft, k, a.max_tokens, processors
                         )
                         first = first or tokens
                         if tokens != first:
@@ -119,7 +174,7 @@ def main():
                 on, off = (statistics.median(speeds[e]) for e in (True, False))
                 print(
                     f"{name:14} {draft:10} {k!s:>4} {on:7.1f} {off:7.1f} "
-                    f"{on / off:6.3f}",
+                    f"{on / off:6.3f} {per_pass[True]:11.2f} {per_pass[False]:5.2f}",
                     flush=True,
                 )
 

@@ -9,7 +9,7 @@ class FakeHead:
     """The MTP drafter's interface: d_1 is free (``next_logits``), each
     ``draft_tokens`` is what costs head forwards."""
 
-    choose = None
+    choose, samples = None, False
 
     def __init__(self, vocab=16):
         self.vocab, self.d1, self.drafts, self.looked = vocab, 0, 0, 0

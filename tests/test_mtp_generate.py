@@ -336,3 +336,28 @@ def test_greedy_drafts_follow_the_logits_processors(models, family, monkeypatch)
     monkeypatch.setattr(decode, "make_draft_sampler", lambda *_: None)
     raw = run()
     assert raw.accepted < raw.drafted / 4
+
+
+@pytest.mark.parametrize("temp, judged", [(0.0, True), (0.8, False)])
+def test_greedy_rows_under_processors_are_judged_in_hindsight(models, temp, judged):
+    """Greedy under a logits processor the head's rows are still judged (its
+    raw argmax stands for the processed one, an estimate ``auto`` learns
+    from); sampling, a draft is judged only when verified."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from mlx_spec.core.sampling import make_sampler
+
+    model, tok = models["qwen3_next"]
+    drafter = MTPDrafter(model.mtp_head)
+    assert drafter.hindsight() == {}  # asking turns judging on
+    steps = speculative_generate_step(
+        mx.array(tok.encode(COPY_PROMPT)),
+        model,
+        drafter,
+        num_draft_tokens=0,
+        max_tokens=8,
+        sampler=make_sampler(temp),
+        logits_processors=make_logits_processors(repetition_penalty=1.5),
+    )
+    list(steps)
+    assert bool(drafter.hindsight()) == judged

@@ -193,4 +193,5 @@ def make_draft_sampler(sampler, processors, history: List[int]):
         q_logits = sampler.logits(logprobs)[0]
         return mx.random.categorical(q_logits), mx.softmax(q_logits, axis=-1)
 
+    choose.samples = not greedy  # a greedy choice can be judged in hindsight
     return choose

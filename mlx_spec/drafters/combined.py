@@ -150,8 +150,9 @@ class MTPNgramDrafter(Drafter):
         return not self._learns() or self.score["mtp"] >= self.score["ngram"]
 
     def _learns(self) -> bool:
-        # scores compare copies with the head's plain argmax
-        return self.learns_choice and self.mtp.choose is None
+        # greedy: scores compare copies with the head's argmax (the raw one
+        # under logits processors, an estimate of the processed one)
+        return self.learns_choice and not self.mtp.samples
 
     def draft(self, k: int) -> List[int]:
         tokens = self.draft_tokens(k)

@@ -62,6 +62,7 @@ class MTPDrafter(Drafter):
         self.verified = 0  # rows of verified positions in the cache
         self._pending = []  # accepted (tokens [L], hidden [L, H]) not yet run
         self.choose = None  # logits, drafted -> (token, q); None: the argmax
+        self.samples = False  # whether ``choose`` samples its drafts
         self.draft_probs: Optional[mx.array] = None  # [m, V] q of a sampled draft
         self.pending_limit = PENDING_ROWS  # a batch that runs the rows lifts it
         self._offered = None  # a draft computed by a batch (see offer)
@@ -79,6 +80,7 @@ class MTPDrafter(Drafter):
         """Choose drafts with ``choose`` (see ``sampling.make_draft_sampler``:
         a sample, or the argmax after logits processors); None: the argmax."""
         self.choose = choose
+        self.samples = getattr(choose, "samples", choose is not None)
 
     @property
     def offset(self) -> int:
@@ -130,9 +132,10 @@ class MTPDrafter(Drafter):
     def _judge(self, hm: mx.array, chosen: mx.array):
         """Judge the d_1 of rows 0..L-2 against ``chosen`` [L-1], the token
         the target chose after each (row i's d_1 meets row i + 1's token).
-        hm: [1, L, H] of consecutive rows. Plain argmax drafts only: a draft
-        sampled or processed is judged when it is verified."""
-        if not self._judging or self.choose is not None or chosen.size == 0:
+        hm: [1, L, H] of consecutive rows. Greedy drafts only (a sampled
+        draft is judged when it is verified); under logits processors the
+        raw argmax stands for the processed one, an estimate for ``auto``."""
+        if not self._judging or self.samples or chosen.size == 0:
             return
         guesses = mx.argmax(self.head.logits(hm[:, :-1]), axis=-1)[0]  # [L-1]
         hits = (guesses == chosen).sum()
