@@ -233,3 +233,37 @@ def test_a_long_prompt_joins_mid_run_in_chunks(models):
     finally:
         tok.eos_token_ids = {399}
         engine.close()
+
+
+@pytest.mark.parametrize("predict", [True, False])
+def test_no_pass_is_queued_ahead_of_a_joining_prompt(models, monkeypatch, predict):
+    """Plain passes are queued a pass ahead, and a row joining rolls the
+    queued pass back. The engine does not queue the pass before a prompt
+    joins, so none is thrown away (the control, without the prediction,
+    throws one away); both answers equal mlx-lm's either way."""
+    from mlx_spec.core.batch import BatchDecoder
+    from mlx_spec.server.prefill import PrefillQueue
+
+    discarded = []
+    unqueue = BatchDecoder._unqueue
+
+    def counting(self):
+        discarded.append(self._queued is not None)
+        unqueue(self)
+
+    monkeypatch.setattr(BatchDecoder, "_unqueue", counting)
+    if not predict:
+        monkeypatch.setattr(PrefillQueue, "admits_next", lambda *_: False)
+    model, tok = models["qwen3_next"]
+    tok.eos_token_ids = set()  # run the full lengths
+    engine = Engine(model, tok, "none", 0, batch_size=2, prefill_chunk=64, start=False)
+    try:
+        specs = [(prompts("mixed"), 40), (prompts("random", n=200, seed=3), 12)]
+        jobs = [engine.submit(Job(p, GenerationParams(n))) for p, n in specs]
+        engine.start()
+        for job, (prompt, n) in zip(jobs, specs):
+            assert tokens_of(job_events(job)) == reference_tokens(model, tok, prompt, n)
+        assert any(discarded) != predict
+    finally:
+        tok.eos_token_ids = {399}
+        engine.close()

@@ -182,9 +182,10 @@ class BatchDecoder:
         return self._queued is not None
 
     # -- one pass ------------------------------------------------------------
-    def step(self) -> Dict[int, Tuple[List[int], mx.array]]:
+    def step(self, queue_ahead: bool = True) -> Dict[int, Tuple[List[int], mx.array]]:
         """One verify pass over the active rows: each one's emitted tokens
-        and their log-probabilities [j, V]."""
+        and their log-probabilities [j, V]. ``queue_ahead=False``: never queue
+        the next pass (a row joins before it, which would roll it back)."""
         active = [b for b, r in enumerate(self.rows) if not r.done]
         if len(active) < len(self.rows):
             self._unqueue()  # a row stopped in the pass that queued this one
@@ -215,7 +216,8 @@ class BatchDecoder:
             self._pass_inputs(drafts, T)
         )
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, T, V]
-        plain = self._queue_plain(logprobs) if self._plain_ahead(active, T) else None
+        ahead = queue_ahead and self._plain_ahead(active, T)
+        plain = self._queue_plain(logprobs) if ahead else None
         kept, out = [0] * B, {}
         for b in active:
             row, draft = self.rows[b], drafts[b]

@@ -304,7 +304,9 @@ class Engine:
 
     def _step(self, batch: BatchDecoder):
         self.peak_decoding = max(self.peak_decoding, len(batch.active))
-        for id, (tokens, logprobs) in batch.step().items():
+        # a prompt about to join would roll back a pass queued ahead of it
+        joins = self.prefills.admits_next(self.prefill_chunk)
+        for id, (tokens, logprobs) in batch.step(queue_ahead=not joins).items():
             self._live[id].emit(tokens, logprobs)
         active = set(batch.active)
         for id, output in list(self._live.items()):

@@ -98,6 +98,10 @@ class PrefillQueue:
         self.waiting.append((job, best, length))
         return True
 
+    def admits_next(self, budget: int) -> bool:
+        """Whether feeding ``budget`` tokens now would admit a prompt."""
+        return bool(self.joining) and len(self.joining[0].todo) <= budget
+
     def feed(self, budget: int, admit: Callable[[Joining], None]) -> List[Job]:
         """Feed the joining prompts ``budget`` tokens, stopping at each length
         where a state is to be kept; ``admit`` each prompt fed whole. Returns
