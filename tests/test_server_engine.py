@@ -209,6 +209,15 @@ class _Recording(Engine):
         super()._step(batch)
 
 
+def _submit_all_then_start(engine, model, tok, specs):
+    """Submit a job per (prompt, max_tokens) of ``specs`` to the stopped
+    ``engine``, start it, and check that each answer equals mlx-lm's."""
+    jobs = [engine.submit(Job(p, GenerationParams(n))) for p, n in specs]
+    engine.start()
+    for job, (prompt, n) in zip(jobs, specs):
+        assert tokens_of(job_events(job)) == reference_tokens(model, tok, prompt, n)
+
+
 def test_a_long_prompt_joins_mid_run_in_chunks(models):
     """A 300-token prompt joins while another request decodes: it is
     prefilled 64 tokens between passes (the other one goes on decoding), and
@@ -221,10 +230,7 @@ def test_a_long_prompt_joins_mid_run_in_chunks(models):
     engine.prefilling_at_pass = []
     try:
         specs = [(prompts("mixed"), 40), (prompts("random", n=300, seed=3), 12)]
-        jobs = [engine.submit(Job(p, GenerationParams(n))) for p, n in specs]
-        engine.start()
-        for job, (prompt, n) in zip(jobs, specs):
-            assert tokens_of(job_events(job)) == reference_tokens(model, tok, prompt, n)
+        _submit_all_then_start(engine, model, tok, specs)
         # passes with the long one prefilling: the short one's first, then one
         # after each of its 299 tokens' chunks but the last; then it decodes
         chunks = -(-299 // 64)
@@ -259,10 +265,7 @@ def test_no_pass_is_queued_ahead_of_a_joining_prompt(models, monkeypatch, predic
     engine = Engine(model, tok, "none", 0, batch_size=2, prefill_chunk=64, start=False)
     try:
         specs = [(prompts("mixed"), 40), (prompts("random", n=200, seed=3), 12)]
-        jobs = [engine.submit(Job(p, GenerationParams(n))) for p, n in specs]
-        engine.start()
-        for job, (prompt, n) in zip(jobs, specs):
-            assert tokens_of(job_events(job)) == reference_tokens(model, tok, prompt, n)
+        _submit_all_then_start(engine, model, tok, specs)
         assert any(discarded) != predict
     finally:
         tok.eos_token_ids = {399}
