@@ -78,3 +78,18 @@ def test_memory_flat_with_a_windowed_head(cycle_models, draft, monkeypatch):
     model, tok = cycle_models["qwen3_next"]
     monkeypatch.setattr(model.mtp_head, "attention_window", 64)
     assert_flat_on_cycle(model, tok, draft, num_draft_tokens=8)
+
+
+@pytest.mark.parametrize("draft", ["mtp", "mtp+ngram"])
+def test_memory_flat_under_logits_processors(cycle_models, draft):
+    """Greedy under a repetition penalty: the head drafts its argmax after
+    the penalty (the history converted once per length) and its rows are
+    judged for ``auto``; neither keeps anything alive."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tok = cycle_models["qwen3_5_moe"]
+    procs = make_logits_processors(repetition_penalty=1.1, repetition_context_size=16)
+    stats = assert_flat_on_cycle(
+        model, tok, draft, num_draft_tokens="auto", logits_processors=procs
+    )
+    assert stats.tokens_per_pass > 2  # it drafted

@@ -242,7 +242,9 @@ def test_a_long_prompt_joins_mid_run_in_chunks(models):
 
 
 @pytest.mark.parametrize("predict", [True, False])
-def test_no_pass_is_queued_ahead_of_a_joining_prompt(models, monkeypatch, predict):
+def test_no_pass_is_queued_ahead_of_a_joining_prompt(
+    models, family, monkeypatch, predict
+):
     """Plain passes are queued a pass ahead, and a row joining rolls the
     queued pass back. The engine does not queue the pass before a prompt
     joins, so none is thrown away (the control, without the prediction,
@@ -260,13 +262,13 @@ def test_no_pass_is_queued_ahead_of_a_joining_prompt(models, monkeypatch, predic
     monkeypatch.setattr(BatchDecoder, "_unqueue", counting)
     if not predict:
         monkeypatch.setattr(PrefillQueue, "admits_next", lambda *_: False)
-    model, tok = models["qwen3_next"]
-    tok.eos_token_ids = set()  # run the full lengths
+    model, tok = models[family]
+    eos, tok.eos_token_ids = tok.eos_token_ids, set()  # run the full lengths
     engine = Engine(model, tok, "none", 0, batch_size=2, prefill_chunk=64, start=False)
     try:
         specs = [(prompts("mixed"), 40), (prompts("random", n=200, seed=3), 12)]
         _submit_all_then_start(engine, model, tok, specs)
         assert any(discarded) != predict
     finally:
-        tok.eos_token_ids = {399}
+        tok.eos_token_ids = eos
         engine.close()
