@@ -65,22 +65,28 @@ def _stall_bound(on: bool, default=policy.STALL_BOUND):
     policy.STALL_BOUND = default if on else float("inf")
 
 
-def _processor_drafts(on: bool, made=decode.make_draft_sampler):
-    def raw_when_greedy(sampler, processors, history):
-        choose = made(sampler, processors, history)
-        return choose if choose is None or choose.samples else None
+def _draft_sampler_switch(adjust):
+    """A switch that, off, passes each draft sampler the decode loop makes
+    through ``adjust``."""
+    made = decode.make_draft_sampler
 
-    decode.make_draft_sampler = made if on else raw_when_greedy
+    def switch(on: bool):
+        def adjusted(*args):
+            return adjust(made(*args))
+
+        decode.make_draft_sampler = made if on else adjusted
+
+    return switch
 
 
-def _processor_hindsight(on: bool, made=decode.make_draft_sampler):
-    def unjudged(sampler, processors, history):
-        choose = made(sampler, processors, history)
-        if choose is not None:
-            choose.samples = True
-        return choose
+def _raw_when_greedy(choose):
+    return choose if choose is None or choose.samples else None
 
-    decode.make_draft_sampler = made if on else unjudged
+
+def _unjudged(choose):
+    if choose is not None:
+        choose.samples = True
+    return choose
 
 
 SWITCHES = {
@@ -88,8 +94,8 @@ SWITCHES = {
     "depth-probes": _depth_probes,
     "long-profile": _long_profile,
     "stall-bound": _stall_bound,
-    "processor-drafts": _processor_drafts,
-    "processor-hindsight": _processor_hindsight,
+    "processor-drafts": _draft_sampler_switch(_raw_when_greedy),
+    "processor-hindsight": _draft_sampler_switch(_unjudged),
 }
 
 

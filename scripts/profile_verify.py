@@ -66,23 +66,31 @@ def instrument(model, totals):
 
 def pass_seconds(decoder, T):
     """Seconds of a T-token target pass (begin, forward, commit one token)
-    and, of them, the host's time building the forward's graph."""
+    and, of them: the host's time building the forward's graph, the time
+    ``mx.async_eval`` of its outputs held the host, and the wait left after
+    it (on a GPU the call returns at once; on the CPU, MLX's eval loop waits
+    whenever more than a few tasks are in flight, so it holds the host until
+    nearly all of the pass has run)."""
     tokens = mx.array(decoder.history[-1:] * T)
     mx.eval(tokens)
     tic = time.perf_counter()
     decoder.cache.begin(T)
     logits, hidden = decoder.target.forward(tokens)
     built = time.perf_counter()
+    mx.async_eval(logits, hidden)
+    returned = time.perf_counter()
     mx.eval(logits, hidden)
+    ready = time.perf_counter()
     decoder.cache.commit(1)
     mx.eval([c.state for c in decoder.cache.caches])
-    return time.perf_counter() - tic, built - tic
+    return time.perf_counter() - tic, built - tic, returned - built, ready - returned
 
 
 def early_and_not(decoder, T, repeats):
     """Median pass times with the GDN layers started as soon as built (the
     default) and evaluated only at the end, interleaved; and the second's
-    graph-building time (the first's includes layers computed meanwhile)."""
+    graph-building time (the first's includes layers computed meanwhile),
+    ``async_eval`` time and wait after it."""
     times = {True: [], False: []}
     for _ in range(repeats):
         for early in times:
@@ -91,36 +99,7 @@ def early_and_not(decoder, T, repeats):
                     c.evaluate_early = early
             times[early].append(pass_seconds(decoder, T))
     early, late = ([statistics.median(x) for x in zip(*times[e])] for e in times)
-    return early[0], late[0], late[1]
-
-
-def async_eval_wait(decoder, T, repeats):
-    """Medians of a T-token pass built with no layer started early: the
-    seconds ``mx.async_eval`` of its outputs took to return, and the seconds
-    the host then still waited for them. On a GPU the first is short; on the
-    CPU, MLX's eval loop waits whenever more than a few tasks are in flight,
-    so it holds the host until nearly all of the pass has run."""
-    for c in decoder.cache.caches:
-        if isinstance(c, GDNSlotCache):
-            c.evaluate_early = False
-    returned, waited = [], []
-    for _ in range(repeats):
-        tokens = mx.array(decoder.history[-1:] * T)
-        mx.eval(tokens)
-        decoder.cache.begin(T)
-        logits, hidden = decoder.target.forward(tokens)
-        tic = time.perf_counter()
-        mx.async_eval(logits, hidden)
-        back = time.perf_counter()
-        mx.eval(logits, hidden)
-        returned.append(back - tic)
-        waited.append(time.perf_counter() - back)
-        decoder.cache.commit(1)
-        mx.eval([c.state for c in decoder.cache.caches])
-    for c in decoder.cache.caches:
-        if isinstance(c, GDNSlotCache):
-            c.evaluate_early = True
-    return statistics.median(returned), statistics.median(waited)
+    return early[0], *late
 
 
 def head_step_seconds(head, context, stored, repeats):
@@ -199,7 +178,7 @@ def main():
     decoder.feed([1 + i % 1000 for i in range(a.context)])  # ids in any vocabulary
     plain = {T: early_and_not(decoder, T, a.repeats) for T in a.tokens}
     for T in a.tokens:
-        returned, waited = (1e3 * t for t in async_eval_wait(decoder, T, a.repeats))
+        returned, waited = (1e3 * t for t in plain[T][3:])
         print(
             f"T={T}: mx.async_eval of the pass returned after {returned:.2f} ms, "
             f"then the host waited {waited:.2f} ms more"
@@ -215,7 +194,7 @@ def main():
             pass_seconds(decoder, T)
         parts = {k: 1e3 * v / a.repeats for k, v in totals.items()}
         line = "  ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items()))
-        early, late, building = (1e3 * t for t in plain[T])
+        early, late, building = (1e3 * t for t in plain[T][:3])
         print(
             f"T={T}: pass {early:.2f} ({late:.2f} with no layer started early, "
             f"its graph built in {building:.2f}) | parts (timed apart) "

@@ -62,7 +62,6 @@ class MTPDrafter(Drafter):
         self.verified = 0  # rows of verified positions in the cache
         self._pending = []  # accepted (tokens [L], hidden [L, H]) not yet run
         self.choose = None  # logits, drafted -> (token, q); None: the argmax
-        self.samples = False  # whether ``choose`` samples its drafts
         self.draft_probs: Optional[mx.array] = None  # [m, V] q of a sampled draft
         self.pending_limit = PENDING_ROWS  # a batch that runs the rows lifts it
         self._offered = None  # a draft computed by a batch (see offer)
@@ -80,7 +79,12 @@ class MTPDrafter(Drafter):
         """Choose drafts with ``choose`` (see ``sampling.make_draft_sampler``:
         a sample, or the argmax after logits processors); None: the argmax."""
         self.choose = choose
-        self.samples = getattr(choose, "samples", choose is not None)
+
+    @property
+    def samples(self) -> bool:
+        """Whether ``choose`` samples its drafts (greedy ones are judged in
+        hindsight)."""
+        return getattr(self.choose, "samples", self.choose is not None)
 
     @property
     def offset(self) -> int:
