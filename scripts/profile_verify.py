@@ -13,12 +13,16 @@ returning, against the wait that is left after it (how much of a pass can
 overlap the host's own work).
 With ``--head``, also one draft step of the model's MTP head over a cache of
 ``--context`` rows, stored in float16 and in the head's compute dtype. With
+``--recurrence``, only the Gated-DeltaNet recurrence as a verify pass runs it
+(the reference, mlx-lm's ops, without Metal), per token for 1, 2, 4 and 8
+rows of the model's GDN dimensions and for one head of 8 x 8 (what a step
+costs whatever its state). With
 ``--head-prefill``, only the head's prefill over a ``--context``-token prompt
 (random hidden states), with its attention window and attending to all rows.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
     python scripts/profile_verify.py [--model DIR] [--context 256] [--tokens 1 4 9]
-        [--head | --head-prefill]
+        [--head | --head-prefill | --recurrence]
 """
 
 import argparse
@@ -34,6 +38,7 @@ from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.core.state import GDNSlotCache
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters.mtp import MTPDrafter
+from mlx_spec.kernels.gated_delta import gated_delta_steps_reference
 from mlx_spec.models.mtp import MTPKVCache
 
 
@@ -142,6 +147,38 @@ def head_prefill_seconds(head, context, window, repeats=2):
         head.attention_window = kept
 
 
+def recurrence_step_seconds(rows, heads, dims, steps=64, repeats=7):
+    """Median seconds per token of ``steps`` recurrence steps, keeping every
+    state as a verify pass does. heads: (key, value); dims: (key, value)."""
+    (hk, hv), (dk, dv) = heads, dims
+    q, k = (0.1 * mx.random.normal((rows, steps, hk, dk)) for _ in range(2))
+    v = mx.random.normal((rows, steps, hv, dv))
+    a, b = (mx.random.normal((rows, steps, hv)) for _ in range(2))
+    gates = (mx.zeros((hv,)), mx.zeros((hv,)))  # A_log, dt_bias
+    state = mx.zeros((rows, hv, dv, dk))
+    mx.eval(q, k, v, a, b, state)
+    times = []
+    for _ in range(repeats + 1):  # one warm-up
+        tic = time.perf_counter()
+        mx.eval(gated_delta_steps_reference(q, k, v, a, b, *gates, state))
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times[1:]) / steps
+
+
+def print_recurrence(model):
+    """Per-token cost of the recurrence for the model's GDN dimensions."""
+    mixers = (getattr(layer, "linear_attn", None) for layer in model.layers)
+    gdn = next(m for m in mixers if m is not None)
+    heads = (gdn.num_k_heads, gdn.num_v_heads)
+    dims = (gdn.head_k_dim, gdn.head_v_dim)
+    for rows in (1, 2, 4, 8):
+        us = 1e6 * recurrence_step_seconds(rows, heads, dims)
+        rows_of = f"{rows} row{'s' * (rows > 1)}"
+        print(f"GDN recurrence, {rows_of} of {heads[1]} x {dims}: {us:.0f} us/token")
+    us = 1e6 * recurrence_step_seconds(1, (1, 1), (8, 8))
+    print(f"GDN recurrence, 1 row of one 8 x 8 head: {us:.0f} us/token")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(default_model_path()))
@@ -152,11 +189,17 @@ def main():
     p.add_argument(
         "--head-prefill", action="store_true", help="only time the MTP head's prefill"
     )
+    p.add_argument(
+        "--recurrence", action="store_true", help="only time the GDN recurrence"
+    )
     a = p.parse_args()
     least = 2 if a.head_prefill else 1  # a prompt of one token has no head row
     if a.context < least:
         p.error(f"--context must be at least {least}, got {a.context}")
     model, _ = mlx_spec.load(a.model)
+    if a.recurrence:
+        print_recurrence(model)
+        return
     for flag, wanted in (("--head", a.head), ("--head-prefill", a.head_prefill)):
         if wanted and getattr(model, "mtp_head", None) is None:
             p.error(f"{flag}: the model at {a.model} has no MTP head")

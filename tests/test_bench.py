@@ -18,6 +18,11 @@ ROW_KEYS = {
     "phase_ms_per_pass": dict,
     "host_overhead_ms_per_pass": float,
     "host_overhead_fraction_of_1_token_forward": float,
+    "host_work_ms_per_pass": float,
+    "host_work_fraction_of_1_token_forward": float,
+    "host_cpu_ms_per_pass": float,
+    "plain_host_cpu_ms_per_step": float,
+    "host_cpu_overhead_fraction_of_1_token_forward": float,
     "ideal_speedup": float,
     "achieved_over_ideal": float,
     "peak_memory_gb": float,
@@ -68,6 +73,7 @@ def test_bench_json_schema(checkpoint_dirs, tmp_path, capsys):
             "commit",
         }
         assert row["tps"] > 0 and row["plain_tps"] > 0
+        assert row["host_cpu_ms_per_pass"] > 0 and row["plain_host_cpu_ms_per_step"] > 0
 
 
 def test_bundled_workloads_cover_every_kind(models):

@@ -6,6 +6,15 @@ process; medians are reported. One more run per setting with phase timing on
 gives the time split, and the measured verify-cost profile turns the measured
 acceptance into an ideal speedup, so achieved/ideal shows what the machinery
 itself costs.
+
+Host cost per pass (ms), three ways. ``phases``: the wall time of the timed
+run's phases besides drafting and the forward (the loop's bookkeeping,
+sampling and rollback, each evaluated before the clock is read, so it holds
+their device work too); ``work``: the host thread's CPU time in those phases
+(the host's own work there: a host waiting for MLX uses no CPU); ``cpu``: the
+host thread's CPU time per pass in the untimed runs, everything included
+(graph building, MLX's setting up of each operation on the calling thread),
+beside plain decoding's per step (``plain cpu``).
 """
 
 import argparse
@@ -107,19 +116,31 @@ def machine_info() -> dict:
     }
 
 
+def _decode(responses):
+    """Run a response stream; (last response, host CPU seconds after the
+    first). The host CPU is the calling thread's CPU time: MLX evaluates on
+    its own threads and a host waiting for it uses none, so this is the host's
+    own work (graph building and bookkeeping), whatever the device does."""
+    first, last = None, None
+    for last in responses:
+        if first is None:
+            first = time.thread_time()
+    return last, time.thread_time() - first
+
+
 def _run_plain(model, tok, prompt, max_tokens):
     mx.reset_peak_memory()
-    last = None
-    for last in plain_stream_generate(model, tok, prompt, max_tokens=max_tokens):
-        pass
-    return {"tps": last.generation_tps, "tokens": last.generation_tokens}
+    last, host = _decode(
+        plain_stream_generate(model, tok, prompt, max_tokens=max_tokens)
+    )
+    steps = max(last.generation_tokens - 1, 1)
+    return {"tps": last.generation_tps, "host_s_per_step": host / steps}
 
 
 def _run_spec(model, tok, prompt, max_tokens, draft, k, timing=False):
     mx.reset_peak_memory()
     stats = SpecStats()
-    last = None
-    for last in stream_generate(
+    responses = stream_generate(
         model,
         tok,
         prompt,
@@ -128,11 +149,12 @@ def _run_spec(model, tok, prompt, max_tokens, draft, k, timing=False):
         num_draft_tokens=k,
         stats=stats,
         timing=timing,
-    ):
-        pass
+    )
+    last, host = _decode(responses)
     return {
         "tps": last.generation_tps,
-        "tokens": last.generation_tokens,
+        # the first pass ran before the first response
+        "host_s_per_step": host / max(stats.verify_passes - 1, 1),
         "peak_memory_gb": last.peak_memory,
         "stats": stats,
     }
@@ -150,10 +172,16 @@ def ideal_speedup(stats: SpecStats, costs: List[float]) -> float:
 def summarise(name, kind, plain_runs, spec_runs, timed, costs) -> dict:
     plain_tps = statistics.median(r["tps"] for r in plain_runs)
     tps = statistics.median(r["tps"] for r in spec_runs)
+    host = statistics.median(1e3 * r["host_s_per_step"] for r in spec_runs)
+    plain_host = statistics.median(1e3 * r["host_s_per_step"] for r in plain_runs)
     stats = timed["stats"]
     passes = max(stats.verify_passes, 1)
     ph = {p: 1e3 * s / passes for p, s in stats.phases.items()}
-    overhead = ph.get("host", 0.0) + ph.get("sampling", 0.0) + ph.get("commit", 0.0)
+    # the phases besides drafting and the forward: wall time, each synced (host
+    # work plus the device's sampling and rollback), and host CPU (host work)
+    own = ("host", "sampling", "commit")
+    phases = sum(ph.get(p, 0.0) for p in own)
+    work = sum(1e3 * stats.phase_cpu.get(p, 0.0) / passes for p in own)
     ideal = ideal_speedup(stats, costs)
     speedup = tps / plain_tps if plain_tps else 0.0
     return {
@@ -165,8 +193,14 @@ def summarise(name, kind, plain_runs, spec_runs, timed, costs) -> dict:
         "acceptance_per_position": stats.acceptance_per_position,
         "tokens_per_pass": stats.tokens_per_pass,
         "phase_ms_per_pass": ph,
-        "host_overhead_ms_per_pass": overhead,
-        "host_overhead_fraction_of_1_token_forward": overhead / (1e3 * costs[0]),
+        "host_overhead_ms_per_pass": phases,
+        "host_overhead_fraction_of_1_token_forward": phases / (1e3 * costs[0]),
+        "host_work_ms_per_pass": work,
+        "host_work_fraction_of_1_token_forward": work / (1e3 * costs[0]),
+        "host_cpu_ms_per_pass": host,
+        "plain_host_cpu_ms_per_step": plain_host,
+        "host_cpu_overhead_fraction_of_1_token_forward": (host - plain_host)
+        / (1e3 * costs[0]),
         "ideal_speedup": ideal,
         "achieved_over_ideal": speedup / ideal if ideal else 0.0,
         "peak_memory_gb": max(r["peak_memory_gb"] for r in spec_runs),
@@ -200,7 +234,8 @@ def format_table(results: List[dict]) -> str:
     head = (
         f"{'workload':<14} {'draft':<10} {'k':>4} {'plain':>7} {'spec':>7} "
         f"{'speedup':>7} {'tok/pass':>8} {'ideal':>6} {'ach/id':>6} "
-        f"{'host ms':>7} {'acceptance per position'}"
+        f"{'phases':>6} {'work':>5} {'cpu':>5} {'plain cpu':>9} "
+        f"{'acceptance per position'}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -209,7 +244,8 @@ def format_table(results: List[dict]) -> str:
             f"{r['workload']:<14} {r['draft']:<10} {str(r['num_draft_tokens']):>4} "
             f"{r['plain_tps']:>7.1f} {r['tps']:>7.1f} {r['speedup']:>6.2f}x "
             f"{r['tokens_per_pass']:>8.2f} {r['ideal_speedup']:>5.2f}x "
-            f"{r['achieved_over_ideal']:>6.2f} {r['host_overhead_ms_per_pass']:>7.2f} {acc}"
+            f"{r['achieved_over_ideal']:>6.2f} {r['host_overhead_ms_per_pass']:>6.2f} "
+            f"{r['host_work_ms_per_pass']:>5.2f} {r['host_cpu_ms_per_pass']:>5.2f} {r['plain_host_cpu_ms_per_step']:>9.2f} {acc}"
         )
     return "\n".join(lines)
 

@@ -19,6 +19,7 @@ class SpecStats:
     accepted_at: List[int] = field(default_factory=list)
     passes_by_tokens: Dict[int, int] = field(default_factory=dict)  # T -> passes
     phases: Dict[str, float] = field(default_factory=dict)  # seconds (timing on)
+    phase_cpu: Dict[str, float] = field(default_factory=dict)  # host CPU seconds
     profile_seconds: float = 0.0  # measuring the verify-cost profile (auto)
 
     def record(self, n_drafted: int, n_accepted: int, n_emitted: int):
@@ -60,7 +61,9 @@ class SpecStats:
 
 
 class PhaseClock:
-    """Attributes wall time to the phases of a verify step (``stats.phases``).
+    """Attributes wall time to the phases of a verify step (``stats.phases``),
+    and the host thread's CPU time (``stats.phase_cpu``: the host's own work
+    in a phase, since a host waiting for MLX's evaluation uses no CPU).
 
     Disabled (the default), ``lap`` does nothing, so the decode loop keeps its
     single host synchronisation per step. Enabled, each ``lap`` evaluates the
@@ -69,7 +72,7 @@ class PhaseClock:
 
     def __init__(self, stats: SpecStats, enabled: bool = False):
         self.stats, self.enabled = stats, enabled
-        self.last = time.perf_counter()
+        self.last, self.last_cpu = time.perf_counter(), time.thread_time()
 
     def lap(self, phase: str, *arrays):
         if not self.enabled:
@@ -77,6 +80,10 @@ class PhaseClock:
         arrays = [a for a in arrays if a is not None]
         if arrays:
             mx.eval(*arrays)
-        now = time.perf_counter()
-        self.stats.phases[phase] = self.stats.phases.get(phase, 0.0) + now - self.last
-        self.last = now
+        now, cpu = time.perf_counter(), time.thread_time()
+        for totals, spent in (
+            (self.stats.phases, now - self.last),
+            (self.stats.phase_cpu, cpu - self.last_cpu),
+        ):
+            totals[phase] = totals.get(phase, 0.0) + spent
+        self.last, self.last_cpu = now, cpu
