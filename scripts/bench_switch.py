@@ -21,6 +21,10 @@ Switches (``--switch``):
   argmax; the head's rows are judged in hindsight either way);
 - ``processor-hindsight``: those drafts count as greedy, so the head's rows
   are judged in hindsight for ``auto`` (off: as sampled ones, not judged).
+- ``copy-agreement``: ``mtp+ngram`` takes a copy of a partial n-gram match
+  only where the head's next token agrees with it or the copy has the better
+  record (``prefer_copy`` in ``mlx_spec/drafters/combined.py``; off: every
+  copy is taken, the head drafting only where there is none).
 
 For each workload, drafter and draft length it alternates generations with
 the switch on and off, checks that both give the same tokens, and prints the
@@ -44,6 +48,7 @@ import mlx_spec.core.verify_profile as verify_profile
 from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.core.state import GDNSlotCache
 from mlx_spec.demo import default_model_path
+from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.mlx_lm_compat import make_logits_processors
 
 
@@ -89,6 +94,10 @@ def _unjudged(choose):
     return choose
 
 
+def _copy_agreement(on: bool, default=MTPNgramDrafter.prefer_copy):
+    MTPNgramDrafter.prefer_copy = default if on else (lambda self, copy: True)
+
+
 SWITCHES = {
     "early-start": _early_start,
     "depth-probes": _depth_probes,
@@ -96,6 +105,7 @@ SWITCHES = {
     "stall-bound": _stall_bound,
     "processor-drafts": _draft_sampler_switch(_raw_when_greedy),
     "processor-hindsight": _draft_sampler_switch(_unjudged),
+    "copy-agreement": _copy_agreement,
 }
 
 
