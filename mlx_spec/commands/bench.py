@@ -245,7 +245,8 @@ def format_table(results: List[dict]) -> str:
             f"{r['plain_tps']:>7.1f} {r['tps']:>7.1f} {r['speedup']:>6.2f}x "
             f"{r['tokens_per_pass']:>8.2f} {r['ideal_speedup']:>5.2f}x "
             f"{r['achieved_over_ideal']:>6.2f} {r['host_overhead_ms_per_pass']:>6.2f} "
-            f"{r['host_work_ms_per_pass']:>5.2f} {r['host_cpu_ms_per_pass']:>5.2f} {r['plain_host_cpu_ms_per_step']:>9.2f} {acc}"
+            f"{r['host_work_ms_per_pass']:>5.2f} {r['host_cpu_ms_per_pass']:>5.2f} "
+            f"{r['plain_host_cpu_ms_per_step']:>9.2f} {acc}"
         )
     return "\n".join(lines)
 
