@@ -168,7 +168,9 @@ def recurrence_step_seconds(rows, heads, dims, steps=64, repeats=7):
 def print_recurrence(model):
     """Per-token cost of the recurrence for the model's GDN dimensions."""
     mixers = (getattr(layer, "linear_attn", None) for layer in model.layers)
-    gdn = next(m for m in mixers if m is not None)
+    gdn = next((m for m in mixers if m is not None), None)
+    if gdn is None:
+        raise SystemExit("--recurrence: the model has no Gated-DeltaNet layer")
     heads = (gdn.num_k_heads, gdn.num_v_heads)
     dims = (gdn.head_k_dim, gdn.head_v_dim)
     for rows in (1, 2, 4, 8):
