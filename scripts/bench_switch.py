@@ -25,6 +25,11 @@ Switches (``--switch``):
   only where the head's next token agrees with it or the copy has the better
   record (``prefer_copy`` in ``mlx_spec/drafters/combined.py``; off: every
   copy is taken, the head drafting only where there is none).
+- ``hindsight-walk``: first drafts (the MTP head's, the n-gram index's) are
+  judged in hindsight only at tokens that began a pass, walked as one-draft
+  passes would have started (``one_draft_walk`` in
+  ``mlx_spec/drafters/base.py``; off: every token the head runs a row for,
+  every token accepted after a match).
 
 For each workload, drafter and draft length it alternates generations with
 the switch on and off, checks that both give the same tokens, and prints the
@@ -45,10 +50,14 @@ import mlx_spec
 import mlx_spec.core.decode as decode
 import mlx_spec.core.policy as policy
 import mlx_spec.core.verify_profile as verify_profile
+import mlx_spec.drafters.mtp as mtp_drafter
+import mlx_spec.drafters.ngram as ngram_drafter
 from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.core.state import GDNSlotCache
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters.combined import MTPNgramDrafter
+from mlx_spec.drafters.mtp import MTPDrafter
+from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.mlx_lm_compat import make_logits_processors
 
 
@@ -98,6 +107,30 @@ def _copy_agreement(on: bool, default=MTPNgramDrafter.prefer_copy):
     MTPNgramDrafter.prefer_copy = default if on else (lambda self, copy: True)
 
 
+def _hindsight_walk(
+    on: bool,
+    walk=mtp_drafter.one_draft_walk,
+    accepts=(MTPDrafter.accept, NgramDrafter.accept),
+):
+    mtp_accept, ngram_accept = accepts
+
+    def every_judged(hits, starts=None):
+        return sum(hits), len(hits) if starts is None else sum(starts)
+
+    def mtp_every_row(self, emitted, hidden):
+        mtp_accept(self, emitted, hidden)
+        self._pass_starts[-len(emitted) :] = [True] * len(emitted)
+
+    def ngram_every_token(self, tokens, hidden=None):
+        for t in tokens:  # each as if it began a pass
+            ngram_accept(self, [t])
+
+    for module in (mtp_drafter, ngram_drafter):
+        module.one_draft_walk = walk if on else every_judged
+    MTPDrafter.accept = mtp_accept if on else mtp_every_row
+    NgramDrafter.accept = ngram_accept if on else ngram_every_token
+
+
 SWITCHES = {
     "early-start": _early_start,
     "depth-probes": _depth_probes,
@@ -106,6 +139,7 @@ SWITCHES = {
     "processor-drafts": _draft_sampler_switch(_raw_when_greedy),
     "processor-hindsight": _draft_sampler_switch(_unjudged),
     "copy-agreement": _copy_agreement,
+    "hindsight-walk": _hindsight_walk,
 }
 
 

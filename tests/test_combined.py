@@ -127,5 +127,7 @@ def test_hindsight_names_each_source():
     d.ngram.reset([1, 2, 3, 1, 2])
     d.mtp.hindsight = lambda: {"mtp": (3, 4)}
     assert d.hindsight() == {"mtp": (3, 4)}  # asking turns the index's judging on
-    d.ngram.accept([3, 9])  # 3 after 1 2: the copy's; 9 after 2 3: not (it copies 1)
+    d.ngram.accept([3])  # after 1 2: the copy's
+    d.ngram.accept([1])  # the bonus after it: not judged
+    d.ngram.accept([9])  # after 3 1: not the copy's (it copies 2)
     assert d.hindsight() == {"mtp": (3, 4), "ngram": (1, 2)}

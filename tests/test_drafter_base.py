@@ -4,7 +4,7 @@ import pytest
 
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.drafters import make_drafter
-from mlx_spec.drafters.base import Drafter, as_drafter
+from mlx_spec.drafters.base import Drafter, as_drafter, one_draft_walk
 from mlx_spec.testing.reference import (
     OracleDrafter,
     prompts,
@@ -51,3 +51,28 @@ def test_subclass_must_implement_the_required_methods():
     with pytest.raises(NotImplementedError, match="'custom' cannot restore"):
         Lazy().restore([1, 2], [])
     assert Lazy().state == [] and Lazy().draft_probs is None
+
+
+@pytest.mark.parametrize(
+    "hits, starts, judged",
+    [
+        ([1, 1, 1, 1, 1], None, (3, 3)),  # each hit's pass emits the next token
+        ([1, 0, 1, 0, 1, 0], None, (3, 3)),  # the passes land on every hit
+        ([0, 1, 0, 1, 0, 1], None, (3, 4)),
+        ([0, 0, 0], None, (0, 3)),  # a miss: the next position starts a pass
+        ([0, 1, 0], [True, False, True], (0, 2)),  # not a pass's first token
+        ([1, 1, 0], [False, True, True], (1, 1)),
+        ([], None, (0, 0)),
+    ],
+)
+def test_one_draft_walk_counts_where_one_draft_passes_start(hits, starts, judged):
+    assert one_draft_walk([bool(h) for h in hits], starts) == judged
+
+
+def test_one_draft_walk_differs_from_every_position_where_hits_alternate():
+    """Control: every position says 0.5 here; passes drafting one token at a
+    time, once a draft is accepted, land on every hit."""
+    hits = [True, False] * 10
+    assert sum(hits) / len(hits) == 0.5
+    assert one_draft_walk(hits[1:]) == (9, 10)  # from a miss: then every hit
+    assert one_draft_walk([False, False] + hits) == (10, 12)

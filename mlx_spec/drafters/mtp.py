@@ -20,14 +20,17 @@ of a batch but the last is followed by a row whose token the target chose:
 once asked (``hindsight``), the drafter judges the d_1 each row would have
 drafted against that token (and, for a prompt's last rows, against the
 target's greedy choice), so the ``auto`` policy learns the head's
-first-draft acceptance at every position, not only where it drafts.
+first-draft acceptance where it does not draft. Only tokens that began a
+pass are judged, walked as one-draft passes would have started
+(``one_draft_walk``): the tokens inside a drafting pass were reached through
+accepted drafts, so judging them would count mostly easy positions.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .base import MAX_MTP_DRAFT_TOKENS, Drafter
+from .base import MAX_MTP_DRAFT_TOKENS, Drafter, one_draft_walk
 
 PREFILL_CHUNK = 2048  # prompt rows per head forward (full attention)
 # With an attention window, chunks of the window's size (not below this):
@@ -61,12 +64,14 @@ class MTPDrafter(Drafter):
         self._draft_rows = 0  # draft-time rows in the cache, trimmed on accept
         self.verified = 0  # rows of verified positions in the cache
         self._pending = []  # accepted (tokens [L], hidden [L, H]) not yet run
+        self._pass_starts = []  # per pending row: whether it began a pass
         self.choose = None  # logits, drafted -> (token, q); None: the argmax
         self.draft_probs: Optional[mx.array] = None  # [m, V] q of a sampled draft
         self.pending_limit = PENDING_ROWS  # a batch that runs the rows lifts it
         self._offered = None  # a draft computed by a batch (see offer)
         self._judging = False  # judge first drafts in hindsight (once asked)
-        self._judged = []  # [(hits, trials)], hits being evaluated (async)
+        self._judged = []  # [(hits [L] (async), starts [L])] not yet counted
+        self._judged_counts = (0, 0)  # (hits, trials) counted, not yet taken
 
     def check_draft_length(self, k):
         """ValueError unless 1 <= k <= max_draft (one MTP layer, reused per step)."""
@@ -96,9 +101,10 @@ class MTPDrafter(Drafter):
         """Run the head over the accepted rows that are still pending, in one
         batched forward. Rows are deferred so that passes without a draft
         (``auto`` choosing k = 0) cost no head forward at all."""
+        starts = self._pass_starts
         rows = self.take_pending()
         if rows is not None:
-            self._rows(*rows)
+            self._rows(*rows, starts=starts)
 
     def catch_up(self):
         """Process (and evaluate) the deferred rows now, so that timing a
@@ -121,38 +127,44 @@ class MTPDrafter(Drafter):
         self._run_pending()
         return self._logits
 
-    def _rows(self, tokens: mx.array, hidden: mx.array, judge: bool = True):
+    def _rows(self, tokens: mx.array, hidden: mx.array, starts=None):
         """Append verified rows. tokens: [L]; hidden: [L, H]. Keeps the last
-        row; ``judge``: the rows' first drafts against ``tokens``, which the
-        target chose (accepted rows, not a prompt's)."""
+        row; ``starts`` [L] (accepted rows, not a prompt's): whether each
+        token began a pass, the rows' first drafts judged against those."""
         hm = self.head.head_hidden(tokens[None], hidden[None], self.cache)  # [1, L, H]
         self._hm = hm[:, -1:]
         self._logits = self.head.logits(self._hm)[0, 0]
         self.verified += tokens.size
-        if judge:
-            self._judge(hm, tokens[1:])
+        if starts is not None:
+            self._judge(hm, tokens[1:], starts[1:])
         return hm
 
-    def _judge(self, hm: mx.array, chosen: mx.array):
+    def _judge(self, hm: mx.array, chosen: mx.array, starts=None):
         """Judge the d_1 of rows 0..L-2 against ``chosen`` [L-1], the token
-        the target chose after each (row i's d_1 meets row i + 1's token).
+        the target chose after each (row i's d_1 meets row i + 1's token),
+        where ``starts`` [L-1] (None: everywhere) says it began a pass.
         hm: [1, L, H] of consecutive rows. Greedy drafts only (a sampled
         draft is judged when it is verified); under logits processors the
         raw argmax stands for the processed one, an estimate for ``auto``."""
         if not self._judging or self.samples or chosen.size == 0:
             return
+        if starts is not None and not any(starts):
+            return  # a drafting pass's own tokens: nothing began a pass
         guesses = mx.argmax(self.head.logits(hm[:, :-1]), axis=-1)[0]  # [L-1]
-        hits = (guesses == chosen).sum()
+        hits = guesses == chosen
         mx.async_eval(hits)  # the rows run now, not at the next draft
-        self._judged.append((hits, chosen.size))
+        self._judged.append((hits, starts))
         if len(self._judged) > 16:  # nobody asks: keep counts, not arrays
-            self._judged = [self._count_judged()]
+            self._judged_counts = self._count_judged()
+            self._judged = []
 
     def _count_judged(self) -> Tuple[int, int]:
-        hits = sum(
-            int(h.item()) if isinstance(h, mx.array) else h for h, _ in self._judged
-        )
-        return hits, sum(t for _, t in self._judged)
+        """(hits, trials) judged since the last ``hindsight``."""
+        hits, trials = self._judged_counts
+        for rows, starts in self._judged:
+            h, t = one_draft_walk(rows.tolist(), starts)
+            hits, trials = hits + h, trials + t
+        return hits, trials
 
     def hindsight(self) -> Dict[str, Tuple[int, int]]:
         """``{"mtp": (hits, trials)}``: of the rows run since the last call,
@@ -160,16 +172,15 @@ class MTPDrafter(Drafter):
         (greedy drafts only: a sampled draft is judged when verified). The
         first call turns judging on."""
         self._judging = True
-        if not self._judged:
-            return {}
         hits, trials = self._count_judged()
-        self._judged = []
-        return {"mtp": (hits, trials)}
+        self._judged, self._judged_counts = [], (0, 0)
+        return {"mtp": (hits, trials)} if trials else {}
 
     def reset(self, prompt_tokens: Sequence[int], hidden: Optional[mx.array]):
         """prompt_tokens: [N]; hidden: [N-1, H] for x_0..x_{N-2} (None if N == 1)."""
         self.cache = self.head.make_cache()  # its window: head.attention_window
-        self._pending, self._judged = [], []
+        self._pending, self._pass_starts, self._judged = [], [], []
+        self._judged_counts = (0, 0)
         self.last_draft_logits = None
         self._logits = self._hm = None
         self._draft_rows = self.verified = 0
@@ -195,7 +206,7 @@ class MTPDrafter(Drafter):
         if window is not None:
             bounds = self._skip_unseen(bounds, hidden.dtype)
         for start, stop in zip(bounds, bounds[1:]):
-            hm = self._rows(tokens[start:stop], hidden[start:stop], judge=False)
+            hm = self._rows(tokens[start:stop], hidden[start:stop])
             # Every chunk now, the last too: the head's prefill is prompt
             # processing, not the first verify pass's work.
             mx.eval([c.state for c in self.cache], self._logits)
@@ -309,6 +320,7 @@ class MTPDrafter(Drafter):
                 f"accept: {hidden.shape[0]} hidden states for {len(emitted)} tokens"
             )
         self._pending.append((mx.array(list(emitted), dtype=mx.uint32), hidden))
+        self._pass_starts += [True] + [False] * (len(emitted) - 1)
         if self.pending_rows >= self.pending_limit:
             self._run_pending()  # bounds the hidden states held
 
@@ -341,7 +353,7 @@ class MTPDrafter(Drafter):
         if not self._pending:
             return None
         tokens, hidden = zip(*self._pending)
-        self._pending = []
+        self._pending, self._pass_starts = [], []
         return mx.concatenate(tokens), mx.concatenate(hidden)
 
     def set_last_row(self, hm: mx.array, logits: mx.array, rows: int):

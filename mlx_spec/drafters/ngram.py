@@ -5,15 +5,17 @@ position right after its most recent occurrence. It is updated incrementally as
 tokens are appended (O(max_ngram) per token), so a lookup never scans the
 history. The history is the prompt and every token generated so far.
 
-Once asked for ``hindsight()`` (``auto`` asks), every accepted token is also
-judged: had a pass started just before it, would the copy's first token have
-been it? A dictionary lookup per token, so ``auto`` learns the copies'
-first-position acceptance without verifying drafts (nor probing).
+Once asked for ``hindsight()`` (``auto`` asks), the first token of every
+pass is also judged: would the copy's first token have been it? A dictionary
+lookup per pass, so ``auto`` learns the copies' first-position acceptance
+without verifying drafts (nor probing). The judged tokens are walked as
+passes drafting one token would have started (``one_draft_walk``): tokens
+inside a copy that was accepted are easy ones, no sample of a pass's start.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .base import Drafter
+from .base import Drafter, one_draft_walk
 
 MIN_NGRAM = 2
 
@@ -30,13 +32,16 @@ class NgramDrafter(Drafter):
         self.tokens: List[int] = []
         self._next: Dict[Tuple[int, ...], int] = {}
         self._judging = False  # judge accepted tokens in hindsight (once asked)
-        self._judged = [0, 0]  # hits, trials since the last hindsight()
+        # Per token accepted since the last hindsight(): whether a copy's
+        # first token was it, and whether it was judged (began a pass, with
+        # a match before it).
+        self._hits, self._starts = [], []
 
     def reset(self, prompt: Sequence[int], hidden=None):
         """Start a new history from the prompt tokens."""
         self.tokens = []
         self._next = {}
-        self._judged = [0, 0]
+        self._hits, self._starts = [], []
         self.extend(prompt)
 
     def extend(self, tokens: Sequence[int]):
@@ -55,20 +60,20 @@ class NgramDrafter(Drafter):
 
     def accept(self, tokens: Sequence[int], hidden=None):
         """Record the tokens a verify step emitted."""
-        for t in tokens:
+        for i, t in enumerate(tokens):
             if self._judging:  # a copied first token was verified too: no matter
-                start = self.match()[1]
-                if start is not None:
-                    self._judged[0] += self.tokens[start] == t
-                    self._judged[1] += 1
+                start = self.match()[1] if i == 0 else None
+                self._hits.append(start is not None and self.tokens[start] == t)
+                self._starts.append(start is not None)
             self.extend((t,))
 
     def hindsight(self) -> Dict[Optional[str], Tuple[int, int]]:
-        """``{None: (hits, trials)}``: of the tokens accepted since the last
-        call with a match before them, how many the copy's first token
-        equalled (None: this drafter's one source)."""
+        """``{None: (hits, trials)}``: of the passes since the last call
+        that began with a match (walked by ``one_draft_walk``), how many
+        began with the copy's first token (None: this drafter's one source)."""
         self._judging = True
-        (hits, trials), self._judged = self._judged, [0, 0]
+        hits, trials = one_draft_walk(self._hits, self._starts)
+        self._hits, self._starts = [], []
         return {None: (hits, trials)} if trials else {}
 
     def match(self) -> Tuple[int, Optional[int]]:
