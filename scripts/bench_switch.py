@@ -27,7 +27,7 @@ Switches (``--switch``):
   copy is taken, the head drafting only where there is none).
 - ``hindsight-walk``: first drafts (the MTP head's, the n-gram index's) are
   judged in hindsight only at tokens that began a pass, walked as one-draft
-  passes would have started (``one_draft_walk`` in
+  passes would have started (``OneDraftWalk`` in
   ``mlx_spec/drafters/base.py``; off: every token the head runs a row for,
   every token accepted after a match).
 
@@ -50,11 +50,10 @@ import mlx_spec
 import mlx_spec.core.decode as decode
 import mlx_spec.core.policy as policy
 import mlx_spec.core.verify_profile as verify_profile
-import mlx_spec.drafters.mtp as mtp_drafter
-import mlx_spec.drafters.ngram as ngram_drafter
 from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.core.state import GDNSlotCache
 from mlx_spec.demo import default_model_path
+from mlx_spec.drafters.base import OneDraftWalk
 from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
@@ -109,13 +108,14 @@ def _copy_agreement(on: bool, default=MTPNgramDrafter.prefer_copy):
 
 def _hindsight_walk(
     on: bool,
-    walk=mtp_drafter.one_draft_walk,
+    see=OneDraftWalk.see,
     accepts=(MTPDrafter.accept, NgramDrafter.accept),
 ):
     mtp_accept, ngram_accept = accepts
 
-    def every_judged(hits, starts=None):
-        return sum(hits), len(hits) if starts is None else sum(starts)
+    def see_every(self, hit, start=True):  # no position skipped after a hit
+        self.hits += start and bool(hit)
+        self.trials += start
 
     def mtp_every_row(self, emitted, hidden):
         mtp_accept(self, emitted, hidden)
@@ -125,8 +125,7 @@ def _hindsight_walk(
         for t in tokens:  # each as if it began a pass
             ngram_accept(self, [t])
 
-    for module in (mtp_drafter, ngram_drafter):
-        module.one_draft_walk = walk if on else every_judged
+    OneDraftWalk.see = see if on else see_every
     MTPDrafter.accept = mtp_accept if on else mtp_every_row
     NgramDrafter.accept = ngram_accept if on else ngram_every_token
 

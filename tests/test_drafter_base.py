@@ -4,12 +4,13 @@ import pytest
 
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.drafters import make_drafter
-from mlx_spec.drafters.base import Drafter, as_drafter, one_draft_walk
+from mlx_spec.drafters.base import Drafter, OneDraftWalk, as_drafter
 from mlx_spec.testing.reference import (
     OracleDrafter,
     prompts,
     reference_tokens,
     spec_tokens,
+    walked,
 )
 
 
@@ -65,14 +66,25 @@ def test_subclass_must_implement_the_required_methods():
         ([], None, (0, 0)),
     ],
 )
-def test_one_draft_walk_counts_where_one_draft_passes_start(hits, starts, judged):
-    assert one_draft_walk([bool(h) for h in hits], starts) == judged
+def test_the_walk_counts_where_one_draft_passes_start(hits, starts, judged):
+    assert walked([bool(h) for h in hits], starts) == judged
 
 
-def test_one_draft_walk_differs_from_every_position_where_hits_alternate():
+def test_the_walk_goes_on_across_takes():
+    """Counts are taken between passes; a hit at a pass's last position
+    still skips the next pass's first."""
+    walk = OneDraftWalk()
+    walk.see(True)
+    assert walk.take() == (1, 1) and walk.take() == (0, 0)
+    walk.see(True)  # the bonus token of the pass that drafted the last one
+    walk.see(False)
+    assert walk.take() == (0, 1)
+
+
+def test_the_walk_differs_from_every_position_where_hits_alternate():
     """Control: every position says 0.5 here; passes drafting one token at a
     time, once a draft is accepted, land on every hit."""
     hits = [True, False] * 10
     assert sum(hits) / len(hits) == 0.5
-    assert one_draft_walk(hits[1:]) == (9, 10)  # from a miss: then every hit
-    assert one_draft_walk([False, False] + hits) == (10, 12)
+    assert walked(hits[1:]) == (9, 10)  # from a miss: then every hit
+    assert walked([False, False] + hits) == (10, 12)

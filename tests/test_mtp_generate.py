@@ -11,7 +11,6 @@ import mlx_spec
 from mlx_spec.core.decode import speculative_generate_step
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.drafters import DRAFTS, make_drafter
-from mlx_spec.drafters.base import one_draft_walk
 from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.generate import stream_generate
@@ -22,6 +21,7 @@ from mlx_spec.testing.mtp_heads import (
     write_cycle_checkpoint,
     write_predictive_checkpoint,
 )
+from mlx_spec.testing.reference import walked
 
 PROMPT = "def push(self, value: int) -> None:\n"
 COPY_PROMPT = "x = a + b\ny = a + b\nz = a + b\nw = a + b\nv = a"
@@ -285,7 +285,7 @@ def test_rows_run_without_drafting_judge_the_first_draft(tmp_path, noise):
     def judged(tokens, hidden, chosen):
         hm = head.head_hidden(mx.array([tokens]), hidden[None], cache)
         guesses = mx.argmax(head.logits(hm[:, :-1]), axis=-1)[0].tolist()
-        return one_draft_walk([g == t for g, t in zip(guesses, chosen)])
+        return walked([g == t for g, t in zip(guesses, chosen)])
 
     (prompt, prompt_hidden), accepted = rows[0], rows[1:]
     greedy = mx.argmax(head.logits(prompt_hidden[1:]), axis=-1).tolist()

@@ -27,7 +27,7 @@ required; the rest have defaults that a simple drafter never touches:
   trials)``: first drafts judged without being verified (what the drafter
   would have drafted against the token the target then chose), since the
   last call, at the positions where passes drafting one token would have
-  started (``one_draft_walk``); ``auto`` learns from them, and they count as
+  started (``OneDraftWalk``); ``auto`` learns from them, and they count as
   its probes.
 - ``set_source_paying(source, paying)``: ``auto`` says whether drafting from
   ``source`` pays now, so a drafter need not run that source just to choose
@@ -48,28 +48,34 @@ MAX_MTP_DRAFT_TOKENS = 8  # the MTP head: one layer reused per step
 MAX_AUTO_DRAFT_TOKENS = 8  # "auto": the verify-cost profile covers T = 1..9
 
 
-def one_draft_walk(
-    hits: Sequence[bool], starts: Optional[Sequence[bool]] = None
-) -> Tuple[int, int]:
-    """(hits, trials) of first drafts judged in hindsight at consecutive
-    positions (``hits[i]``: the draft there was right), counting only the
-    positions where passes drafting one token each would have started: after
-    a miss the next position, after a hit the one after (that pass also
-    emitted the target's next token). Judging every position instead counts
-    positions inside runs of hits, which a pass only reaches after an
-    accepted draft: where hits and misses cluster or alternate, a pass's
-    first draft is accepted far less often than a position's (traced with the
-    MTP head on free text: 0.38 against 0.52). ``starts[i]`` False: position
-    i was not the first token of its pass (it was drafted, or followed a
-    draft), so it is no sample of a pass's first draft and is skipped."""
-    i, n_hits, trials = 0, 0, 0
-    while i < len(hits):
-        if starts is None or starts[i]:
-            trials += 1
-            n_hits += bool(hits[i])
-            i += bool(hits[i])
-        i += 1
-    return n_hits, trials
+class OneDraftWalk:
+    """Counts first drafts judged in hindsight, position by position, only
+    where passes drafting one token each would have started: after a miss
+    the next position, after a hit the one after (that pass also emitted the
+    target's next token). Judging every position instead counts positions
+    inside runs of hits, which a pass only reaches after an accepted draft:
+    where hits and misses cluster or alternate, a pass's first draft is
+    accepted far less often than a position's (traced with the MTP head on
+    free text: 0.38 against 0.52)."""
+
+    def __init__(self):
+        self.hits = self.trials = 0
+        self._skip = False  # the last position was a hit: this one is its bonus
+
+    def see(self, hit: bool, start: bool = True):
+        """The next position: the first draft there was right (``hit``).
+        ``start`` False: the position did not begin its pass (it was
+        drafted, or followed a draft), so it is no sample of a pass's first
+        draft and is not counted."""
+        counted = start and not self._skip
+        self.hits += counted and bool(hit)
+        self.trials += counted
+        self._skip = counted and bool(hit)
+
+    def take(self) -> Tuple[int, int]:
+        """(hits, trials) counted since the last call."""
+        counts, self.hits, self.trials = (self.hits, self.trials), 0, 0
+        return counts
 
 
 class Drafter:

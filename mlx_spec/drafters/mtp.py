@@ -22,7 +22,7 @@ drafted against that token (and, for a prompt's last rows, against the
 target's greedy choice), so the ``auto`` policy learns the head's
 first-draft acceptance where it does not draft. Only tokens that began a
 pass are judged, walked as one-draft passes would have started
-(``one_draft_walk``): the tokens inside a drafting pass were reached through
+(``OneDraftWalk``): the tokens inside a drafting pass were reached through
 accepted drafts, so judging them would count mostly easy positions.
 """
 
@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .base import MAX_MTP_DRAFT_TOKENS, Drafter, one_draft_walk
+from .base import MAX_MTP_DRAFT_TOKENS, Drafter, OneDraftWalk
 
 PREFILL_CHUNK = 2048  # prompt rows per head forward (full attention)
 # With an attention window, chunks of the window's size (not below this):
@@ -71,7 +71,7 @@ class MTPDrafter(Drafter):
         self._offered = None  # a draft computed by a batch (see offer)
         self._judging = False  # judge first drafts in hindsight (once asked)
         self._judged = []  # [(hits [L] (async), starts [L])] not yet counted
-        self._judged_counts = (0, 0)  # (hits, trials) counted, not yet taken
+        self._walk = OneDraftWalk()  # what was counted, not yet taken
 
     def check_draft_length(self, k):
         """ValueError unless 1 <= k <= max_draft (one MTP layer, reused per step)."""
@@ -155,16 +155,16 @@ class MTPDrafter(Drafter):
         mx.async_eval(hits)  # the rows run now, not at the next draft
         self._judged.append((hits, starts))
         if len(self._judged) > 16:  # nobody asks: keep counts, not arrays
-            self._judged_counts = self._count_judged()
-            self._judged = []
+            self._count_judged()
 
-    def _count_judged(self) -> Tuple[int, int]:
-        """(hits, trials) judged since the last ``hindsight``."""
-        hits, trials = self._judged_counts
-        for rows, starts in self._judged:
-            h, t = one_draft_walk(rows.tolist(), starts)
-            hits, trials = hits + h, trials + t
-        return hits, trials
+    def _count_judged(self):
+        """Walk the rows judged so far (each batch's last row, judged by
+        none, parts them)."""
+        for hits, starts in self._judged:
+            for i, hit in enumerate(hits.tolist()):
+                self._walk.see(hit, starts is None or starts[i])
+            self._walk.see(False, start=False)
+        self._judged = []
 
     def hindsight(self) -> Dict[str, Tuple[int, int]]:
         """``{"mtp": (hits, trials)}``: of the rows run since the last call,
@@ -172,15 +172,15 @@ class MTPDrafter(Drafter):
         (greedy drafts only: a sampled draft is judged when verified). The
         first call turns judging on."""
         self._judging = True
-        hits, trials = self._count_judged()
-        self._judged, self._judged_counts = [], (0, 0)
+        self._count_judged()
+        hits, trials = self._walk.take()
         return {"mtp": (hits, trials)} if trials else {}
 
     def reset(self, prompt_tokens: Sequence[int], hidden: Optional[mx.array]):
         """prompt_tokens: [N]; hidden: [N-1, H] for x_0..x_{N-2} (None if N == 1)."""
         self.cache = self.head.make_cache()  # its window: head.attention_window
         self._pending, self._pass_starts, self._judged = [], [], []
-        self._judged_counts = (0, 0)
+        self._walk = OneDraftWalk()
         self.last_draft_logits = None
         self._logits = self._hm = None
         self._draft_rows = self.verified = 0

@@ -9,13 +9,13 @@ Once asked for ``hindsight()`` (``auto`` asks), the first token of every
 pass is also judged: would the copy's first token have been it? A dictionary
 lookup per pass, so ``auto`` learns the copies' first-position acceptance
 without verifying drafts (nor probing). The judged tokens are walked as
-passes drafting one token would have started (``one_draft_walk``): tokens
+passes drafting one token would have started (``OneDraftWalk``): tokens
 inside a copy that was accepted are easy ones, no sample of a pass's start.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .base import Drafter, one_draft_walk
+from .base import Drafter, OneDraftWalk
 
 MIN_NGRAM = 2
 
@@ -32,16 +32,13 @@ class NgramDrafter(Drafter):
         self.tokens: List[int] = []
         self._next: Dict[Tuple[int, ...], int] = {}
         self._judging = False  # judge accepted tokens in hindsight (once asked)
-        # Per token accepted since the last hindsight(): whether a copy's
-        # first token was it, and whether it was judged (began a pass, with
-        # a match before it).
-        self._hits, self._starts = [], []
+        self._walk = OneDraftWalk()  # judged since the last hindsight()
 
     def reset(self, prompt: Sequence[int], hidden=None):
         """Start a new history from the prompt tokens."""
         self.tokens = []
         self._next = {}
-        self._hits, self._starts = [], []
+        self._walk = OneDraftWalk()
         self.extend(prompt)
 
     def extend(self, tokens: Sequence[int]):
@@ -63,17 +60,16 @@ class NgramDrafter(Drafter):
         for i, t in enumerate(tokens):
             if self._judging:  # a copied first token was verified too: no matter
                 start = self.match()[1] if i == 0 else None
-                self._hits.append(start is not None and self.tokens[start] == t)
-                self._starts.append(start is not None)
+                hit = start is not None and self.tokens[start] == t
+                self._walk.see(hit, start is not None)
             self.extend((t,))
 
     def hindsight(self) -> Dict[Optional[str], Tuple[int, int]]:
         """``{None: (hits, trials)}``: of the passes since the last call
-        that began with a match (walked by ``one_draft_walk``), how many
+        that began with a match (walked by ``OneDraftWalk``), how many
         began with the copy's first token (None: this drafter's one source)."""
         self._judging = True
-        hits, trials = one_draft_walk(self._hits, self._starts)
-        self._hits, self._starts = [], []
+        hits, trials = self._walk.take()
         return {None: (hits, trials)} if trials else {}
 
     def match(self) -> Tuple[int, Optional[int]]:

@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from ..core.decode import SpeculativeDecoder
 from ..drafters import make_drafter
+from ..drafters.base import OneDraftWalk
 from ..generate import stream_generate
 from ..mlx_lm_compat import ArraysCache, plain_stream_generate
 from ..server.events import Token
@@ -172,3 +173,12 @@ def run_batch(batch, rows: dict, max_steps: int = 500):
         for b, (tokens, _) in batch.step().items():
             rows[b] += tokens
     raise AssertionError("the batch did not finish")
+
+
+def walked(hits: Sequence[bool], starts: Optional[Sequence[bool]] = None):
+    """(hits, trials) a fresh :class:`OneDraftWalk` counts over ``hits``
+    (``starts``: which positions began a pass; None: all)."""
+    walk = OneDraftWalk()
+    for i, hit in enumerate(hits):
+        walk.see(hit, starts is None or starts[i])
+    return walk.take()
