@@ -3,7 +3,13 @@ over the bench workloads, prefill excluded, for several row counts, against
 mlx-lm's batched plain decoding (``BatchGenerator``) of the same rows.
 
     python scripts/bench_batch.py [--model DIR] [--rows 1 2 4] [--draft ngram mtp+ngram none]
+        [--repeats 3]
     python scripts/bench_batch.py --prefill 1024 [--rows 1 2 4]
+
+For each row count the settings (mlx-lm's rows first) run in turn,
+``--repeats`` rounds, each round in the reverse order of the last, so a
+busy spell of a shared machine falls on every setting alike; each line is
+the round with the median tokens/s, against mlx-lm's median of the same rows.
 
 ``none``: this batch decoder with no drafter (every pass one token a row).
 ``--prefill N``: instead, what prefilling several prompts together would gain:
@@ -16,6 +22,7 @@ LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 
 import argparse
 import json
+import statistics
 import time
 
 import mlx.core as mx
@@ -117,6 +124,9 @@ def main():
         "--no-mlx-lm", action="store_true", help="skip mlx-lm's batched baseline"
     )
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--repeats", type=int, default=1, help="rounds of every setting, interleaved"
+    )
     p.add_argument("--num-draft-tokens", default="3")
     p.add_argument("--prefill", type=int, help="measure prefill of N-token prompts")
     p.add_argument(
@@ -127,6 +137,8 @@ def main():
         "every row's pass dearer)",
     )
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     k = args.num_draft_tokens
     k = k if k == "auto" else int(k)
     model, tok = mlx_spec.load(args.model)
@@ -136,16 +148,27 @@ def main():
     print(json.dumps(machine_info()))
     if args.prefill:
         return bench_prefill(model, prompts, args.prefill, args.rows)
-    print("| draft | rows | tokens/s | ms per pass | tokens per pass |")
+    settings = ([] if args.no_mlx_lm else ["mlx_lm"]) + args.draft
+    print("| draft | rows | tokens/s (x mlx_lm) | ms per pass | tokens per pass |")
     print("|---|---|---|---|---|")
-    for draft in ([] if args.no_mlx_lm else ["mlx_lm"]) + args.draft:
-        for rows in args.rows:
-            if draft == "mlx_lm":
-                r = run_mlx_lm(model, prompts, rows, args.max_tokens)
-            else:
-                r = run(model, prompts, draft, rows, args.max_tokens, k)
+    for rows in args.rows:
+        runs = {draft: [] for draft in settings}
+        for r in range(args.repeats):
+            for draft in settings if r % 2 == 0 else settings[::-1]:
+                if draft == "mlx_lm":
+                    result = run_mlx_lm(model, prompts, rows, args.max_tokens)
+                else:
+                    result = run(model, prompts, draft, rows, args.max_tokens, k)
+                runs[draft].append(result)
+        base = runs.get("mlx_lm")
+        base = statistics.median(r["tok_per_s"] for r in base) if base else None
+        for draft in settings:
+            r = sorted(runs[draft], key=lambda r: r["tok_per_s"])[len(runs[draft]) // 2]
+            ratio = (
+                f" ({r['tok_per_s'] / base:.2f}x)" if base and draft != "mlx_lm" else ""
+            )
             print(
-                f"| {draft} | {rows} | {r['tok_per_s']} | {r['ms_per_pass']} | "
+                f"| {draft} | {rows} | {r['tok_per_s']}{ratio} | {r['ms_per_pass']} | "
                 f"{r['tokens'] / r['passes']:.2f} |",
                 flush=True,
             )
