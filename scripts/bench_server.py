@@ -13,6 +13,11 @@ requests of the bundled bench workloads.
 
     python scripts/bench_server.py [--model DIR] [--clients 1 2 4 8] [--max-tokens 128]
         [--shared-prefix-chars N]  # the same N characters before every prompt
+        [--rounds 3]  # every server in turn, reversed each round; medians
+
+With ``--rounds`` each line is the round with the median aggregate tokens/s
+(time to first token of the conversations: medians), so a busy spell of a
+shared machine falls on every server alike.
 
 On Linux preload OpenBLAS for GPU-like matmul scaling (say so in results):
 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
@@ -135,10 +140,10 @@ def new_conversations(port, system, max_tokens, extra):
     return ttfts
 
 
-def run_server(name, argv, port, prompts, context, args, log_dir):
+def run_server(name, argv, port, prompts, context, args, log):
     extra = {"temperature": 0.0}
     rows = []
-    with running_server(argv, port, timeout=300, log=str(log_dir / f"{name}.log")):
+    with running_server(argv, port, timeout=300, log=log):
         stream(port, "/v1/completions", {"prompt": prompts[0], "max_tokens": 8})
         for n in args.clients:
             rows.append(
@@ -204,7 +209,12 @@ def main():
     p.add_argument(
         "--servers", nargs="+", default=["mlx_spec", "mlx_spec-serial", "mlx_lm"]
     )
+    p.add_argument(
+        "--rounds", type=int, default=1, help="every server in turn, this many times"
+    )
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     _, tok = mlx_spec.load(args.model)
     prompts = [
         w["prompt"]
@@ -219,20 +229,29 @@ def main():
     log_dir = Path(tempfile.mkdtemp(prefix="bench_server_"))
     if "mlx_lm" in args.servers:
         args.model = cpu_float32_copy(args.model, log_dir / "model")
+    rounds = {name: [] for name in args.servers}  # name -> [(rows, turns)]
+    for r in range(args.rounds):
+        for name in args.servers if r % 2 == 0 else args.servers[::-1]:
+            port = free_port()
+            if name.startswith("mlx_spec"):
+                concurrency = "1" if name.endswith("serial") else "8"
+                extra = ["--decode-concurrency", concurrency] + args.server_args.split()
+                argv = mlx_spec_server(args.model, port, *extra)
+            else:
+                argv = [sys.executable, "-m", "mlx_lm.server", "--model", args.model]
+                argv += ["--port", str(port), "--host", "127.0.0.1"]
+            log = str(log_dir / f"{name}-{r}.log")
+            rounds[name].append(
+                run_server(name, argv, port, prompts, context, args, log)
+            )
     table, turns = [], {}
-    for name in args.servers:
-        port = free_port()
-        if name.startswith("mlx_spec"):
-            concurrency = "1" if name.endswith("serial") else "8"
-            extra = ["--decode-concurrency", concurrency] + args.server_args.split()
-            argv = mlx_spec_server(args.model, port, *extra)
-        else:
-            argv = [sys.executable, "-m", "mlx_lm.server", "--model", args.model]
-            argv += ["--port", str(port), "--host", "127.0.0.1"]
-        rows, turns[name] = run_server(
-            name, argv, port, prompts, context, args, log_dir
-        )
-        table += rows
+    for name, runs in rounds.items():
+        for i in range(len(args.clients)):
+            rows = sorted(
+                (rows[i] for rows, _ in runs), key=lambda r: r["aggregate_tps"]
+            )
+            table.append(rows[len(rows) // 2])
+        turns[name] = [statistics.median(t) for t in zip(*(t for _, t in runs))]
     print()
     print(
         "| server | clients | aggregate tok/s | per-request tok/s | TTFT median s | accepted/drafted |"
