@@ -118,8 +118,8 @@ def _hindsight_walk(
         self.trials += start
 
     def mtp_every_row(self, emitted, hidden):
-        mtp_accept(self, emitted, hidden)
-        self._pass_starts[-len(emitted) :] = [True] * len(emitted)
+        for i in range(len(emitted)):  # each as if it began a pass
+            mtp_accept(self, emitted[i : i + 1], hidden[i : i + 1])
 
     def ngram_every_token(self, tokens, hidden=None):
         for t in tokens:  # each as if it began a pass

@@ -64,7 +64,6 @@ class MTPDrafter(Drafter):
         self._draft_rows = 0  # draft-time rows in the cache, trimmed on accept
         self.verified = 0  # rows of verified positions in the cache
         self._pending = []  # accepted (tokens [L], hidden [L, H]) not yet run
-        self._pass_starts = []  # per pending row: whether it began a pass
         self.choose = None  # logits, drafted -> (token, q); None: the argmax
         self.draft_probs: Optional[mx.array] = None  # [m, V] q of a sampled draft
         self.pending_limit = PENDING_ROWS  # a batch that runs the rows lifts it
@@ -101,7 +100,8 @@ class MTPDrafter(Drafter):
         """Run the head over the accepted rows that are still pending, in one
         batched forward. Rows are deferred so that passes without a draft
         (``auto`` choosing k = 0) cost no head forward at all."""
-        starts = self._pass_starts
+        # Each pending entry is one pass's tokens: its first began the pass.
+        starts = [i == 0 for t, _ in self._pending for i in range(t.size)]
         rows = self.take_pending()
         if rows is not None:
             self._rows(*rows, starts=starts)
@@ -179,7 +179,7 @@ class MTPDrafter(Drafter):
     def reset(self, prompt_tokens: Sequence[int], hidden: Optional[mx.array]):
         """prompt_tokens: [N]; hidden: [N-1, H] for x_0..x_{N-2} (None if N == 1)."""
         self.cache = self.head.make_cache()  # its window: head.attention_window
-        self._pending, self._pass_starts, self._judged = [], [], []
+        self._pending, self._judged = [], []
         self._walk = OneDraftWalk()
         self.last_draft_logits = None
         self._logits = self._hm = None
@@ -320,7 +320,6 @@ class MTPDrafter(Drafter):
                 f"accept: {hidden.shape[0]} hidden states for {len(emitted)} tokens"
             )
         self._pending.append((mx.array(list(emitted), dtype=mx.uint32), hidden))
-        self._pass_starts += [True] + [False] * (len(emitted) - 1)
         if self.pending_rows >= self.pending_limit:
             self._run_pending()  # bounds the hidden states held
 
@@ -353,7 +352,7 @@ class MTPDrafter(Drafter):
         if not self._pending:
             return None
         tokens, hidden = zip(*self._pending)
-        self._pending, self._pass_starts = [], []
+        self._pending = []
         return mx.concatenate(tokens), mx.concatenate(hidden)
 
     def set_last_row(self, hm: mx.array, logits: mx.array, rows: int):
