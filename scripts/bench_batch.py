@@ -28,7 +28,12 @@ import time
 import mlx.core as mx
 
 import mlx_spec
-from mlx_spec.commands.bench import load_workloads, machine_info
+from mlx_spec.commands.bench import (
+    interleaved,
+    load_workloads,
+    machine_info,
+    median_run,
+)
 from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.demo import default_model_path
@@ -153,17 +158,16 @@ def main():
     print("|---|---|---|---|---|")
     for rows in args.rows:
         runs = {draft: [] for draft in settings}
-        for r in range(args.repeats):
-            for draft in settings if r % 2 == 0 else settings[::-1]:
-                if draft == "mlx_lm":
-                    result = run_mlx_lm(model, prompts, rows, args.max_tokens)
-                else:
-                    result = run(model, prompts, draft, rows, args.max_tokens, k)
-                runs[draft].append(result)
+        for _, draft in interleaved(settings, args.repeats):
+            if draft == "mlx_lm":
+                result = run_mlx_lm(model, prompts, rows, args.max_tokens)
+            else:
+                result = run(model, prompts, draft, rows, args.max_tokens, k)
+            runs[draft].append(result)
         base = runs.get("mlx_lm")
         base = statistics.median(r["tok_per_s"] for r in base) if base else None
         for draft in settings:
-            r = sorted(runs[draft], key=lambda r: r["tok_per_s"])[len(runs[draft]) // 2]
+            r = median_run(runs[draft], "tok_per_s")
             ratio = (
                 f" ({r['tok_per_s'] / base:.2f}x)" if base and draft != "mlx_lm" else ""
             )

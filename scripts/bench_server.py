@@ -37,7 +37,12 @@ from pathlib import Path
 import mlx.core as mx
 
 import mlx_spec
-from mlx_spec.commands.bench import load_workloads, machine_info
+from mlx_spec.commands.bench import (
+    interleaved,
+    load_workloads,
+    machine_info,
+    median_run,
+)
 from mlx_spec.demo import default_model_path
 from mlx_spec.testing.server import free_port, mlx_spec_server, running_server
 
@@ -230,27 +235,21 @@ def main():
     if "mlx_lm" in args.servers:
         args.model = cpu_float32_copy(args.model, log_dir / "model")
     rounds = {name: [] for name in args.servers}  # name -> [(rows, turns)]
-    for r in range(args.rounds):
-        for name in args.servers if r % 2 == 0 else args.servers[::-1]:
-            port = free_port()
-            if name.startswith("mlx_spec"):
-                concurrency = "1" if name.endswith("serial") else "8"
-                extra = ["--decode-concurrency", concurrency] + args.server_args.split()
-                argv = mlx_spec_server(args.model, port, *extra)
-            else:
-                argv = [sys.executable, "-m", "mlx_lm.server", "--model", args.model]
-                argv += ["--port", str(port), "--host", "127.0.0.1"]
-            log = str(log_dir / f"{name}-{r}.log")
-            rounds[name].append(
-                run_server(name, argv, port, prompts, context, args, log)
-            )
+    for r, name in interleaved(args.servers, args.rounds):
+        port = free_port()
+        if name.startswith("mlx_spec"):
+            concurrency = "1" if name.endswith("serial") else "8"
+            extra = ["--decode-concurrency", concurrency] + args.server_args.split()
+            argv = mlx_spec_server(args.model, port, *extra)
+        else:
+            argv = [sys.executable, "-m", "mlx_lm.server", "--model", args.model]
+            argv += ["--port", str(port), "--host", "127.0.0.1"]
+        log = str(log_dir / f"{name}-{r}.log")
+        rounds[name].append(run_server(name, argv, port, prompts, context, args, log))
     table, turns = [], {}
     for name, runs in rounds.items():
         for i in range(len(args.clients)):
-            rows = sorted(
-                (rows[i] for rows, _ in runs), key=lambda r: r["aggregate_tps"]
-            )
-            table.append(rows[len(rows) // 2])
+            table.append(median_run([rows[i] for rows, _ in runs], "aggregate_tps"))
         turns[name] = [statistics.median(t) for t in zip(*(t for _, t in runs))]
     print()
     print(

@@ -116,6 +116,20 @@ def machine_info() -> dict:
     }
 
 
+def interleaved(settings: list, rounds: int):
+    """(round, setting) for ``rounds`` rounds of every setting in turn, each
+    round in the reverse order of the last, so that a busy spell of a shared
+    machine falls on every setting alike (the benchmark scripts' rounds)."""
+    for r in range(rounds):
+        for setting in settings if r % 2 == 0 else settings[::-1]:
+            yield r, setting
+
+
+def median_run(runs: List[dict], key: str) -> dict:
+    """The run whose ``key`` is the median (the upper one of an even count)."""
+    return sorted(runs, key=lambda run: run[key])[len(runs) // 2]
+
+
 def _decode(responses):
     """Run a response stream; (last response, host CPU seconds after the
     first). The host CPU is the calling thread's CPU time: MLX evaluates on
