@@ -51,6 +51,7 @@ def gated_delta_steps_reference(
     state: Optional[mx.array],
     mask: Optional[mx.array] = None,
     keep_states: bool = True,
+    lengths: Optional[List[int]] = None,
 ) -> Tuple[mx.array, States]:
     """Run ``T`` recurrence steps token by token through mlx-lm.
 
@@ -59,11 +60,17 @@ def gated_delta_steps_reference(
     Returns y: [B, T, Hv, Dv] and, with ``keep_states``, the list of the T
     states after each token; otherwise the final state. A state is
     [B, Hv, Dv, Dk] float32.
+
+    ``lengths`` (host ints, with ``keep_states``, rows padded at the end):
+    where mlx-lm's ops path runs, step ``t`` runs only over the rows with
+    more than ``t`` tokens (see :func:`_ragged_steps`; ``mask`` is then not
+    needed), and a state entry may be a ``(rows, state)`` pair.
     """
     T = q.shape[1]
     if gated_delta_update_runs_ops(k):
+        ragged = lengths if keep_states else None
         return _steps_through_ops(
-            q, k, v, a, b, A_log, dt_bias, state, mask, keep_states
+            q, k, v, a, b, A_log, dt_bias, state, mask, keep_states, ragged
         )
     ys, states = [], []
     for t in range(T):
@@ -84,7 +91,9 @@ def gated_delta_steps_reference(
     return y, (states if keep_states else state)
 
 
-def _steps_through_ops(q, k, v, a, b, A_log, dt_bias, state, mask, keep_states):
+def _steps_through_ops(
+    q, k, v, a, b, A_log, dt_bias, state, mask, keep_states, lengths=None
+):
     """The reference on mlx-lm's ops path, with the per-token setup hoisted."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
@@ -93,6 +102,8 @@ def _steps_through_ops(q, k, v, a, b, A_log, dt_bias, state, mask, keep_states):
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     if Hv // Hk > 1:
         q, k = (mx.repeat(x, Hv // Hk, -2) for x in (q, k))
+    if lengths is not None:
+        return _ragged_steps((q, k, v, g, beta), state, lengths)
     ys, states = [], []
     for t in range(T):
         y, state = gated_delta_step_ops(
@@ -108,6 +119,57 @@ def _steps_through_ops(q, k, v, a, b, A_log, dt_bias, state, mask, keep_states):
         states.append(state)
     y = mx.stack(ys, axis=1)
     return y, (states if keep_states else state)
+
+
+def _ragged_steps(inputs, state, lengths: List[int]):
+    """Step ``t`` over only the rows with more than ``t`` tokens.
+
+    inputs: (q, k [B, T, Hv, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv]);
+    state: [B, Hv, Dv, Dk]. On the CPU a step's cost grows with its rows, so
+    a batch pass whose rows drafted different lengths costs the tokens its
+    rows hold, not ``B x T``. Each row runs mlx-lm's unmasked one-token step,
+    what its plain decoding runs, so its states are the same bit for bit.
+    The steps run in segments over one set of rows (until the shortest of
+    them ends), whose inputs are gathered and outputs placed once.
+    Returns y [B, T, Hv, Dv] (zeros past a row's length) and per token the
+    state after it: [B, Hv, Dv, Dk] where every row ran, else a pair
+    (rows: the ascending indices that ran, state [len(rows), Hv, Dv, Dk])."""
+    B, T = inputs[0].shape[:2]
+    segments, states, rows, t = [], [], list(range(B)), 0
+    while t < T:
+        now = [r for r in rows if lengths[r] > t]
+        state = _take_rows(state, [rows.index(r) for r in now])
+        rows, end = now, min(lengths[r] for r in now)
+        xs = [_take_rows(x, rows) for x in inputs]
+        ys = []
+        for u in range(t, end):
+            y, state = gated_delta_step_ops(*(x[:, u] for x in xs), state)
+            ys.append(y)
+            states.append(state if len(rows) == B else (rows, state))
+        segments.append((rows, t, mx.stack(ys, axis=1)))
+        t = end
+    if len(segments) == 1 and len(rows) == B:
+        return segments[0][2], states
+    y = mx.zeros((B, T) + segments[0][2].shape[2:], segments[0][2].dtype)
+    for rows, t, ys in segments:
+        y[mx.array(rows, mx.int32), t : t + ys.shape[1]] = ys
+    return y, states
+
+
+def _take_rows(x: mx.array, positions: List[int]) -> mx.array:
+    """Rows ``positions`` of ``x``: ``x`` itself or a view when they lead it."""
+    if positions == list(range(len(positions))):
+        return x if len(positions) == x.shape[0] else x[: len(positions)]
+    return x[mx.array(positions, mx.int32)]
+
+
+def row_state(entry, row: int) -> mx.array:
+    """Row ``row`` of a per-token state entry (an array, or a ``(rows,
+    state)`` pair from :func:`_ragged_steps`), shaped as one row."""
+    if isinstance(entry, tuple):
+        rows, entry = entry
+        row = rows.index(row)
+    return entry[row : row + 1]
 
 
 _SOURCE = """
@@ -304,6 +366,7 @@ def gated_delta_steps(
     state: Optional[mx.array],
     mask: Optional[mx.array] = None,
     keep_states: bool = True,
+    lengths: Optional[List[int]] = None,
 ) -> Tuple[mx.array, States]:
     """Run ``T`` recurrence steps; the kernel where the switch allows it.
 
@@ -317,7 +380,7 @@ def gated_delta_steps(
 
     def reference():
         return gated_delta_steps_reference(
-            q, k, v, a, b, A_log, dt_bias, state, mask, keep_states
+            q, k, v, a, b, A_log, dt_bias, state, mask, keep_states, lengths
         )
 
     if not kernel_supported(q, v, state, mask):

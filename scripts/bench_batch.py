@@ -12,6 +12,12 @@ busy spell of a shared machine falls on every setting alike; each line is
 the round with the median tokens/s, against mlx-lm's median of the same rows.
 
 ``none``: this batch decoder with no drafter (every pass one token a row).
+``--padded``: every drafter setting also runs (as ``DRAFT/padded``) with the
+Gated-DeltaNet recurrence over every row's padding, as before it skipped it
+(``set_row_lengths`` in ``mlx_spec/core/state.py``): an A/B in one run.
+``--shapes 9,1,1,1 4,4,4,4``: instead, one verify pass over rows holding
+those many tokens (padded to the longest), the recurrence skipping the
+padding against running it (interleaved, medians of ``--repeats`` x 10).
 ``--prefill N``: instead, what prefilling several prompts together would gain:
 the model's plain forward over ``rows`` prompts of ``N`` tokens, one prompt
 at a time against all of them as one ``[rows, N]`` batch (chunks of 256).
@@ -21,6 +27,7 @@ LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 """
 
 import argparse
+from typing import List
 import json
 import statistics
 import time
@@ -41,8 +48,14 @@ from mlx_spec.drafters import make_drafter
 from mlx_spec.mlx_lm_compat import BatchGenerator, make_prompt_cache
 
 
-def run(model, prompts, draft, rows, max_tokens, num_draft_tokens):
+def run(model, prompts, setting, rows, max_tokens, num_draft_tokens):
+    draft, _, padded = setting.partition("/")
     batch = BatchDecoder(model, rows, max_draft=8)
+    if padded:  # the recurrence is not told the rows' lengths: it runs them all
+        for c in batch.gdn:
+            c.set_row_lengths = lambda n, c=c: setattr(
+                c, "lengths", None if n is None else mx.array(n)
+            )
     for i in range(rows):
         drafter = None if draft == "none" else make_drafter(draft, model)
         d = SpeculativeDecoder(model, drafter, max_draft=8)
@@ -54,9 +67,11 @@ def run(model, prompts, draft, rows, max_tokens, num_draft_tokens):
         out = batch.step()
         passes += 1
         tokens += sum(len(t) for t, _ in out.values())
+        for id in set(out) - set(batch.active):
+            batch.take(id)  # a finished row leaves, as the server takes it
     seconds = time.perf_counter() - tic
     return {
-        "draft": draft,
+        "draft": setting,
         "rows": rows,
         "tokens": tokens,
         "passes": passes,
@@ -104,6 +119,39 @@ def prefill_seconds(model, tokens, rows, chunk=256):
     return time.perf_counter() - tic
 
 
+def pass_ms(model, prompt, shape: List[int], padded: bool, repeats: int) -> float:
+    """Median ms of a verify pass whose rows hold ``shape[b]`` tokens."""
+    batch = BatchDecoder(model, len(shape), max_draft=max(shape) - 1)
+    for _ in shape:
+        d = SpeculativeDecoder(model, None, max_draft=max(shape) - 1)
+        d.feed(prompt)
+        batch.add(d, 1 << 20)
+    T, times = max(shape), []
+    ragged = None if padded or min(shape) == T else shape
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        for c in batch.gdn:
+            c.capturing = True
+            c.set_row_lengths(ragged)
+            c.lengths = None if min(shape) == T else mx.array(shape)
+        logits, _ = batch.target.forward_rows(mx.zeros((len(shape), T), mx.uint32))
+        mx.eval(logits)
+        times.append(time.perf_counter() - tic)
+        batch._commit_caches([0] * len(shape), T)  # every row as before
+    return statistics.median(times) * 1e3
+
+
+def bench_shapes(model, prompt, shapes: List[List[int]], repeats: int):
+    print("| rows' tokens | padding skipped, ms | padding run, ms | ratio |")
+    print("|---|---|---|---|")
+    for shape in shapes:
+        ms = {True: [], False: []}
+        for _, padded in interleaved([False, True], repeats):
+            ms[padded].append(pass_ms(model, prompt, shape, padded, 10))
+        skip, run = (statistics.median(ms[p]) for p in (False, True))
+        print(f"| {shape} | {skip:.2f} | {run:.2f} | {run / skip:.2f}x |", flush=True)
+
+
 def bench_prefill(model, prompts, n, row_counts):
     longest = max(prompts, key=len)
     tokens = (longest * (n // len(longest) + 1))[:n]  # repeated up to n tokens
@@ -133,7 +181,13 @@ def main():
         "--repeats", type=int, default=1, help="rounds of every setting, interleaved"
     )
     p.add_argument("--num-draft-tokens", default="3")
+    p.add_argument(
+        "--padded",
+        action="store_true",
+        help="also run each drafter with the recurrence over the rows' padding",
+    )
     p.add_argument("--prefill", type=int, help="measure prefill of N-token prompts")
+    p.add_argument("--shapes", nargs="+", help="time verify passes of these rows")
     p.add_argument(
         "--workloads",
         nargs="+",
@@ -151,9 +205,18 @@ def main():
     names = args.workloads or [w["name"] for w in workloads if w["kind"] != "long"]
     prompts = [tok.encode(w["prompt"]) for w in workloads if w["name"] in names]
     print(json.dumps(machine_info()))
+    if args.shapes:
+        try:
+            shapes = [[int(n) for n in x.split(",")] for x in args.shapes]
+        except ValueError:
+            shapes = [[-1]]
+        if any(min(shape) < 0 or max(shape) < 1 for shape in shapes):
+            p.error(f"--shapes wants token counts like 9,1,1,1, got {args.shapes}")
+        return bench_shapes(model, prompts[0], shapes, args.repeats)
     if args.prefill:
         return bench_prefill(model, prompts, args.prefill, args.rows)
-    settings = ([] if args.no_mlx_lm else ["mlx_lm"]) + args.draft
+    padded = [f"{d}/padded" for d in args.draft if d != "none"] if args.padded else []
+    settings = ([] if args.no_mlx_lm else ["mlx_lm"]) + args.draft + padded
     print("| draft | rows | tokens/s (x mlx_lm) | ms per pass | tokens per pass |")
     print("|---|---|---|---|---|")
     for rows in args.rows:

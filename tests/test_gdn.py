@@ -55,27 +55,48 @@ def test_left_padded_cache_is_refused(models):
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
-def test_rows_padded_at_the_end_match_mlx_lm(plain_models, models, family):
-    """A batch of rows with their own lengths (cache.lengths): the verify
-    forward and a commit of each row's length give mlx-lm's output on the
-    valid tokens and mlx-lm's caches."""
+@pytest.mark.parametrize("skip_padding", [False, True])
+@pytest.mark.parametrize("kept", [[4, 1, 0, 2], [3, 1, 0, 1]])
+def test_rows_padded_at_the_end_match_mlx_lm(
+    plain_models, models, family, skip_padding, kept, monkeypatch
+):
+    """A batch of rows with their own lengths (cache.lengths; a row of 0:
+    it stopped): the verify forward and a commit of each row's kept tokens
+    (all of its own, or fewer) give mlx-lm's output on the kept tokens and
+    mlx-lm's caches after them. Given the lengths on the host too
+    (``set_row_lengths``), the recurrence runs each row's own tokens only."""
+    import mlx_spec.kernels.gated_delta as gd
+
     model, _ = models[family]
     layer = _gdn_layers(model)[0]
     plain_layer = _gdn_layers(plain_models[family][0])[0]
     H = layer.out_proj.weight.shape[0]
-    x = mx.random.normal((3, 4, H), key=mx.random.key(1))
-    lengths = [4, 1, 2]
+    x = mx.random.normal((4, 4, H), key=mx.random.key(1))
+    lengths = [4, 1, 0, 2]
+    row_steps = []
+    step = gd.gated_delta_step_ops
+    monkeypatch.setattr(
+        gd,
+        "gated_delta_step_ops",
+        lambda *a: row_steps.append(a[-1].shape[0]) or step(*a),
+    )
     plain, ours = ArraysCache(2), GDNSlotCache(max_tokens=4)
-    plain.lengths, ours.lengths = mx.array(lengths), mx.array(lengths)
-    mask = plain.make_mask(4)
-    want = plain_layer(x, mask, plain)
+    plain.lengths = mx.array(kept)
+    want = plain_layer(x, plain.make_mask(4), plain)
+    if skip_padding:
+        ours.set_row_lengths(lengths)
+    else:
+        ours.lengths = mx.array(lengths)
     ours.capturing = True
     got = layer(x, ours.make_mask(4), ours)
-    ours.commit(lengths)
-    for b, n in enumerate(lengths):
+    assert ours.rollback_nbytes > 0  # what the pass captured, counted
+    ours.commit(kept)
+    assert ours.rollback_nbytes == 0
+    for b, n in enumerate(kept):
         assert mx.array_equal(got[b, :n], want[b, :n])
     for a, b in zip(ours.cache, plain.cache):
         assert mx.array_equal(a, b)
+    assert sum(row_steps) == (sum(lengths) if skip_padding else 4 * 4)
 
 
 @pytest.mark.parametrize("capturing", [False, True])

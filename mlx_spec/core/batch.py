@@ -211,7 +211,8 @@ class BatchDecoder:
         if queued is None:
             ragged = any(n < T for n in lengths)  # else no token is masked
             for c in self.gdn:
-                c.capturing, c.lengths = True, mx.array(lengths) if ragged else None
+                c.capturing = True
+                c.set_row_lengths(lengths if ragged else None)
         logits, hidden = queued or self.target.forward_rows(
             self._pass_inputs(drafts, T)
         )
@@ -258,7 +259,7 @@ class BatchDecoder:
             c.trim_rows([T - k for k in kept])
         for c in self.gdn:
             c.commit(kept[0] if len(kept) == 1 else kept)
-            c.lengths = None
+            c.set_row_lengths(None)
 
     def _plain_ahead(self, active: List[int], T: int) -> bool:
         """Whether the pass after this plain one drafts nothing either: every

@@ -20,7 +20,7 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 
-from ..kernels.gated_delta import gated_delta_steps
+from ..kernels.gated_delta import gated_delta_steps, row_state
 from ..mlx_lm_compat import ArraysCache, make_prompt_cache
 from ..models.gdn import make_verifiable
 from ..models.pipeline import pipeline_group
@@ -51,6 +51,7 @@ class GDNSlotCache(ArraysCache):
         self.max_tokens = max_tokens
         self.rollback = rollback
         self.capturing = False
+        self.row_lengths = None  # a batch pass's row lengths (host ints), if ragged
         self._pass = None  # (T, conv_input [B, K-1+T, C], pre-pass state, saved)
 
     @classmethod
@@ -67,8 +68,15 @@ class GDNSlotCache(ArraysCache):
         if self._pass is None:
             return 0
         _, conv_input, _, saved = self._pass
-        arrays = [conv_input] + [a for a in _flatten(saved) if a is not None]
+        arrays = [conv_input] + [a for a in _flatten(saved) if isinstance(a, mx.array)]
         return sum(a.nbytes for a in arrays)
+
+    def set_row_lengths(self, lengths: Optional[List[int]]):
+        """The next pass's rows hold ``lengths[b]`` tokens each, padded at
+        the end (None: every row is whole): masked as mlx-lm masks them
+        (``lengths``), and the recurrence skips the padding (host ints)."""
+        self.lengths = None if lengths is None else mx.array(lengths)
+        self.row_lengths = lengths
 
     def verify_recurrence(self, conv_input: mx.array, gdn_inputs, mask) -> mx.array:
         """Run the verify recurrence and capture what rollback needs.
@@ -83,9 +91,14 @@ class GDNSlotCache(ArraysCache):
             )
         pre_state = self[1]
         store = self.rollback == "store"
-        y, states = gated_delta_steps(*gdn_inputs, pre_state, mask, keep_states=store)
+        y, states = gated_delta_steps(
+            *gdn_inputs, pre_state, mask, store, self.row_lengths if store else None
+        )
         if store:  # states: T per-token states, slot t = after token t
             final, saved = states[T - 1], states
+            if isinstance(final, tuple):  # no state holds every row: commit
+                shape = (conv_input.shape[0],) + final[1].shape[1:]  # sets each
+                final = mx.zeros(shape) if pre_state is None else pre_state
         else:
             final, saved = states, (gdn_inputs, mask)
         self._pass = (T, conv_input, pre_state, saved)
@@ -101,7 +114,7 @@ class GDNSlotCache(ArraysCache):
         self.capturing = False
         T, conv_input, pre_state, saved = self._pass
         self._pass = None
-        if not isinstance(n, int) and len(set(n)) == 1:
+        if not isinstance(n, int) and len(set(n)) == 1 and self._whole(saved, n[0]):
             n = n[0]  # every row keeps as many: one pick for the batch
         if isinstance(n, int):
             if n < T:
@@ -114,6 +127,11 @@ class GDNSlotCache(ArraysCache):
         self[0] = mx.concatenate([conv for conv, _ in rows])
         self[1] = mx.concatenate([state for _, state in rows])
 
+    def _whole(self, saved, n: int) -> bool:
+        """Whether every row's state after ``n`` tokens is one array (a
+        ragged pass's rows that ended before are not in it)."""
+        return self.rollback != "store" or n == 0 or not isinstance(saved[n - 1], tuple)
+
     def _rows_after(self, n, conv_input, pre_state, saved, row=None):
         """(conv window, recurrent state) after ``n`` tokens, of every row or
         of ``row`` (then shaped as one row)."""
@@ -125,7 +143,8 @@ class GDNSlotCache(ArraysCache):
                 return conv, mx.zeros_like(pick(self.cache[1]))
             return conv, pick(pre_state)
         if self.rollback == "store":
-            return conv, pick(saved[n - 1])
+            entry = saved[n - 1]
+            return conv, (entry if row is None else row_state(entry, row))
         inputs, mask = saved
         prefix = [pick(x)[:, :n] for x in inputs[:5]] + list(inputs[5:])
         mask = None if mask is None else pick(mask)[:, :n]
