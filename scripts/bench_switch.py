@@ -30,6 +30,9 @@ Switches (``--switch``):
   passes would have started (``OneDraftWalk`` in
   ``mlx_spec/drafters/base.py``; off: every token the head runs a row for,
   every token accepted after a match).
+- ``shifted-conv``: the GDN layers' causal conv in mlx-spec's passes runs as
+  shifted products (``mlx_spec/models/depthwise_conv.py``; off: the layer's
+  ``Conv1d``, as mlx-lm runs it).
 
 For each workload, drafter and draft length it alternates generations with
 the switch on and off, checks that both give the same tokens, and prints the
@@ -50,6 +53,7 @@ import mlx_spec
 import mlx_spec.core.decode as decode
 import mlx_spec.core.policy as policy
 import mlx_spec.core.verify_profile as verify_profile
+import mlx_spec.models.gdn as gdn
 from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.core.state import GDNSlotCache
 from mlx_spec.demo import default_model_path
@@ -130,6 +134,10 @@ def _hindsight_walk(
     NgramDrafter.accept = ngram_accept if on else ngram_every_token
 
 
+def _shifted_conv(on: bool, products=gdn.depthwise_conv):
+    gdn.depthwise_conv = products if on else (lambda conv, x: conv(x))
+
+
 SWITCHES = {
     "early-start": _early_start,
     "depth-probes": _depth_probes,
@@ -139,6 +147,7 @@ SWITCHES = {
     "processor-hindsight": _draft_sampler_switch(_unjudged),
     "copy-agreement": _copy_agreement,
     "hindsight-walk": _hindsight_walk,
+    "shifted-conv": _shifted_conv,
 }
 
 

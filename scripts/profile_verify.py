@@ -16,13 +16,15 @@ With ``--head``, also one draft step of the model's MTP head over a cache of
 ``--recurrence``, only the Gated-DeltaNet recurrence as a verify pass runs it
 (the reference, mlx-lm's ops, without Metal), per token for 1, 2, 4 and 8
 rows of the model's GDN dimensions and for one head of 8 x 8 (what a step
-costs whatever its state). With
+costs whatever its state). With ``--conv``,
+only a GDN layer's causal conv, its ``Conv1d`` against the shifted products
+mlx-spec computes it with. With
 ``--head-prefill``, only the head's prefill over a ``--context``-token prompt
 (random hidden states), with its attention window and attending to all rows.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
     python scripts/profile_verify.py [--model DIR] [--context 256] [--tokens 1 4 9]
-        [--head | --head-prefill | --recurrence]
+        [--head | --head-prefill | --recurrence | --conv]
 """
 
 import argparse
@@ -38,6 +40,7 @@ from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.core.state import GDNSlotCache
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters.mtp import MTPDrafter
+from mlx_spec.models.depthwise_conv import depthwise_conv
 from mlx_spec.kernels.gated_delta import gated_delta_steps_reference
 from mlx_spec.models.mtp import MTPKVCache
 
@@ -165,12 +168,39 @@ def recurrence_step_seconds(rows, heads, dims, steps=64, repeats=7):
     return statistics.median(times[1:]) / steps
 
 
-def print_recurrence(model):
-    """Per-token cost of the recurrence for the model's GDN dimensions."""
+def first_gdn(model, flag):
     mixers = (getattr(layer, "linear_attn", None) for layer in model.layers)
     gdn = next((m for m in mixers if m is not None), None)
     if gdn is None:
-        raise SystemExit("--recurrence: the model has no Gated-DeltaNet layer")
+        raise SystemExit(f"{flag}: the model has no Gated-DeltaNet layer")
+    return gdn
+
+
+def print_conv(model, repeats):
+    """A GDN layer's causal conv: its ``Conv1d`` against the shifted products
+    mlx-spec runs (``models/depthwise_conv.py``), medians of interleaved
+    calls, each evaluated."""
+    gdn = first_gdn(model, "--conv")
+    K, C = gdn.conv_kernel_size, gdn.conv_dim
+    for rows, T in ((1, 1), (4, 1), (1, 9), (4, 9)):
+        x = mx.random.normal((rows, K - 1 + T, C)).astype(gdn.conv1d.weight.dtype)
+        times = {"Conv1d": [], "products": []}
+        for _ in range(repeats + 1):  # one warm-up
+            for name, f in (("Conv1d", gdn.conv1d), ("products", depthwise_conv)):
+                args = (x,) if name == "Conv1d" else (gdn.conv1d, x)
+                tic = time.perf_counter()
+                mx.eval(f(*args))
+                times[name].append(time.perf_counter() - tic)
+        us = {n: 1e6 * statistics.median(t[1:]) for n, t in times.items()}
+        print(
+            f"GDN conv, {rows} x {T} tokens of {C} channels: Conv1d "
+            f"{us['Conv1d']:.0f} us, products {us['products']:.0f} us"
+        )
+
+
+def print_recurrence(model):
+    """Per-token cost of the recurrence for the model's GDN dimensions."""
+    gdn = first_gdn(model, "--recurrence")
     heads = (gdn.num_k_heads, gdn.num_v_heads)
     dims = (gdn.head_k_dim, gdn.head_v_dim)
     for rows in (1, 2, 4, 8):
@@ -194,6 +224,7 @@ def main():
     p.add_argument(
         "--recurrence", action="store_true", help="only time the GDN recurrence"
     )
+    p.add_argument("--conv", action="store_true", help="only time the GDN conv")
     a = p.parse_args()
     least = 2 if a.head_prefill else 1  # a prompt of one token has no head row
     if a.context < least:
@@ -201,6 +232,9 @@ def main():
     model, _ = mlx_spec.load(a.model)
     if a.recurrence:
         print_recurrence(model)
+        return
+    if a.conv:
+        print_conv(model, a.repeats)
         return
     for flag, wanted in (("--head", a.head), ("--head-prefill", a.head_prefill)):
         if wanted and getattr(model, "mtp_head", None) is None:

@@ -19,10 +19,19 @@ def _plain_forward(layer, x, cache):
     return parent.__call__(layer, x, None, cache)
 
 
-@pytest.mark.parametrize("T", [1, 2, 5])
-def test_verify_forward_equals_mlx_lm_forward(models, family, T):
+@pytest.mark.parametrize("T,capturing", [(1, True), (2, True), (5, True), (1, False)])
+def test_own_forward_equals_mlx_lm_forward(models, family, T, capturing, monkeypatch):
     """Capturing over T tokens gives the output and cache of mlx-lm's own
-    forward over the same tokens (then commit keeps them all)."""
+    forward over the same tokens (then commit keeps them all); so does a
+    one-token step outside a verify pass. Both run mlx-spec's forward (its
+    conv among them); the context before them, a prefill, mlx-lm's."""
+    import mlx_spec.models.gdn as gdn
+
+    convs = []
+    real_conv = gdn.depthwise_conv
+    monkeypatch.setattr(
+        gdn, "depthwise_conv", lambda c, x: convs.append(x.shape) or real_conv(c, x)
+    )
     model, _ = models[family]
     layer = _gdn_layers(model)[0]
     assert make_verifiable(layer)
@@ -34,10 +43,13 @@ def test_verify_forward_equals_mlx_lm_forward(models, family, T):
     plain, ours = ArraysCache(2), GDNSlotCache(max_tokens=8)
     for c in (plain, ours):
         _plain_forward(layer, history, c)  # a context first
+    assert convs == []  # the context's prefill: mlx-lm's forward
     want = _plain_forward(layer, x, plain)
-    ours.capturing = True
+    ours.capturing = capturing
     got = layer(x, None, ours)
-    ours.commit(T)
+    if capturing:
+        ours.commit(T)
+    assert convs == [(1, layer.conv_kernel_size - 1 + T, layer.conv_dim)]
     assert mx.array_equal(got, want)
     for a, b in zip(ours.cache, plain.cache):
         assert mx.array_equal(a, b)

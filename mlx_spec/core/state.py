@@ -21,7 +21,7 @@ from typing import Any, List, Optional
 import mlx.core as mx
 
 from ..kernels.gated_delta import gated_delta_steps, row_state
-from ..mlx_lm_compat import ArraysCache, make_prompt_cache
+from ..mlx_lm_compat import ArraysCache, gated_delta_update, make_prompt_cache
 from ..models.gdn import make_verifiable
 from ..models.pipeline import pipeline_group
 
@@ -105,6 +105,25 @@ class GDNSlotCache(ArraysCache):
         n_keep = conv_input.shape[1] - T
         self[0] = mx.contiguous(conv_input[:, -n_keep:])
         self[1] = final
+        self.advance(T)
+        return y
+
+    def step_recurrence(self, conv_input, gdn_inputs, mask, use_kernel=True):
+        """Outside a verify pass: what mlx-lm's forward does with its cache
+        (keep the conv window, at each row's own end where rows are padded,
+        and advance the state through ``gated_delta_update``). Returns y:
+        [B, T, Hv, Dv]."""
+        T = gdn_inputs[0].shape[1]
+        n_keep = conv_input.shape[1] - T
+        if self.lengths is not None:
+            ends = mx.clip(self.lengths, 0, T)
+            positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+            self[0] = mx.take_along_axis(conv_input, positions, axis=1)
+        else:
+            self[0] = mx.contiguous(conv_input[:, -n_keep:])
+        y, self[1] = gated_delta_update(
+            *gdn_inputs, self[1], mask, use_kernel=use_kernel
+        )
         self.advance(T)
         return y
 

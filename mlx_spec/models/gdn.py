@@ -2,17 +2,22 @@
 
 mlx-lm's GDN layers keep only the state after the last token they process, so a
 speculative verify pass over ``T`` tokens cannot be undone. The subclasses here
-are mlx-lm's layers (``__call__`` is the parent's) except when their cache is a
-:class:`~mlx_spec.core.state.GDNSlotCache` that is capturing: then
-``_verify_forward`` runs, which restates the parent's forward (projections,
-causal conv, q/k normalisation, recurrence, gated norm, output projection,
-each through the layer's own modules and mlx-lm's functions) and hands the
-cache the conv input and the recurrence inputs, so it can restore the state
-after any prefix of the ``T`` tokens. That restatement is the one piece of
-mlx-lm's code written again here; ``tests/test_gdn.py`` checks it against the
-installed mlx-lm (same output and cache as the parent's forward). Rows of a
-batch padded at the end (``cache.lengths``, the batch decoder's layout) are
-masked as mlx-lm masks them; left-padded caches are refused.
+are mlx-lm's layers (``__call__`` is the parent's) except with a
+:class:`~mlx_spec.core.state.GDNSlotCache` (mlx-spec's own) in a verify pass
+(capturing) or a one-token step: then ``_own_forward`` runs, which restates
+the parent's forward (projections, causal conv, q/k normalisation,
+recurrence, gated norm, output projection, each through the layer's own
+modules and mlx-lm's functions). In a verify pass it hands the cache the conv
+input and the recurrence inputs, so it can restore the state after any prefix
+of the ``T`` tokens; in a step the cache advances as mlx-lm's would. Its
+causal conv is ``models/depthwise_conv.py``'s, which equals the layer's
+``Conv1d`` bit for bit where it runs and costs a fraction of it on a CPU. That
+restatement is the one piece of mlx-lm's code written again here;
+``tests/test_gdn.py`` checks it against the installed mlx-lm (same output and
+cache as the parent's forward). A prompt's prefill, and any model decoding
+with mlx-lm's own caches, runs the parent's forward. Rows of a batch padded
+at the end (``cache.lengths``, the batch decoder's layout) are masked as
+mlx-lm masks them; left-padded caches are refused.
 
 With a cache that sets ``evaluate_early`` (mlx-spec's own; mlx-lm's caches do
 not, so mlx-lm decoding the same model object is unchanged), a layer's output
@@ -28,21 +33,23 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..mlx_lm_compat import normalize_qk, qwen3_5, qwen3_next
+from .depthwise_conv import depthwise_conv
 
 
 class _VerifyGDNMixin:
     """Verify-pass forward shared by the GDN families; ``_project`` differs."""
 
     def __call__(self, inputs, mask=None, cache=None):
-        if getattr(cache, "capturing", False):
-            out = self._verify_forward(inputs, mask, cache)
+        ours = getattr(cache, "capturing", None) is not None  # mlx-spec's cache
+        if ours and (cache.capturing or inputs.shape[1] == 1):
+            out = self._own_forward(inputs, mask, cache)
         else:
             out = super().__call__(inputs, mask, cache)
         if getattr(cache, "evaluate_early", False):
             mx.async_eval(out)  # scheduling only: the values are the same
         return out
 
-    def _verify_forward(self, inputs: mx.array, mask, cache) -> mx.array:
+    def _own_forward(self, inputs: mx.array, mask, cache) -> mx.array:
         # inputs: [B, T, hidden]
         if cache.left_padding is not None:
             raise NotImplementedError(
@@ -59,7 +66,7 @@ class _VerifyGDNMixin:
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)  # [B, K-1+T, C]
-        conv_out = nn.silu(self.conv1d(conv_input))
+        conv_out = nn.silu(depthwise_conv(self.conv1d, conv_input))
         q, k, v = [
             t.reshape(B, T, h, d)
             for t, h, d in zip(
@@ -69,9 +76,11 @@ class _VerifyGDNMixin:
             )
         ]
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
-        out = cache.verify_recurrence(
-            conv_input, (q, k, v, a, b, self.A_log, self.dt_bias), mask
-        )
+        gdn_inputs = (q, k, v, a, b, self.A_log, self.dt_bias)
+        if cache.capturing:
+            out = cache.verify_recurrence(conv_input, gdn_inputs, mask)
+        else:
+            out = cache.step_recurrence(conv_input, gdn_inputs, mask, not self.training)
         out = self.norm(out, z)
         return self.out_proj(out.reshape(B, T, -1))
 
