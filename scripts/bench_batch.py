@@ -12,12 +12,14 @@ busy spell of a shared machine falls on every setting alike; each line is
 the round with the median tokens/s, against mlx-lm's median of the same rows.
 
 ``none``: this batch decoder with no drafter (every pass one token a row).
-``--padded``: every drafter setting also runs (as ``DRAFT/padded``) with the
-Gated-DeltaNet recurrence over every row's padding, as before it skipped it
-(``set_row_lengths`` in ``mlx_spec/core/state.py``): an A/B in one run.
+``--padded``: every drafter setting also runs (as ``DRAFT/padded``) with
+every row's padding computed, as before passes skipped it (the Gated-DeltaNet
+recurrence: ``set_row_lengths`` in ``mlx_spec/core/state.py``; the MLPs and the
+LM head: ``mlx_spec/models/packed.py``): an A/B in one run.
 ``--shapes 9,1,1,1 4,4,4,4``: instead, one verify pass over rows holding
-those many tokens (padded to the longest), the recurrence skipping the
-padding against running it (interleaved, medians of ``--repeats`` x 10).
+those many tokens (padded to the longest): with the padding computed, with
+the recurrence skipping it, and with the MLPs and head skipping it too
+(interleaved, medians of ``--repeats`` x 10).
 ``--prefill N``: instead, what prefilling several prompts together would gain:
 the model's plain forward over ``rows`` prompts of ``N`` tokens, one prompt
 at a time against all of them as one ``[rows, N]`` batch (chunks of 256).
@@ -27,6 +29,7 @@ LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 """
 
 import argparse
+from contextlib import contextmanager
 from typing import List
 import json
 import statistics
@@ -51,11 +54,8 @@ from mlx_spec.mlx_lm_compat import BatchGenerator, make_prompt_cache
 def run(model, prompts, setting, rows, max_tokens, num_draft_tokens):
     draft, _, padded = setting.partition("/")
     batch = BatchDecoder(model, rows, max_draft=8)
-    if padded:  # the recurrence is not told the rows' lengths: it runs them all
-        for c in batch.gdn:
-            c.set_row_lengths = lambda n, c=c: setattr(
-                c, "lengths", None if n is None else mx.array(n)
-            )
+    if padded:
+        compute_padding(batch, "padded")
     for i in range(rows):
         drafter = None if draft == "none" else make_drafter(draft, model)
         d = SpeculativeDecoder(model, drafter, max_draft=8)
@@ -119,22 +119,51 @@ def prefill_seconds(model, tokens, rows, chunk=256):
     return time.perf_counter() - tic
 
 
-def pass_ms(model, prompt, shape: List[int], padded: bool, repeats: int) -> float:
+class _Whole:
+    """Positions as a pass without padding sees them: all computed."""
+
+    @contextmanager
+    def ragged(self, lengths, T):
+        yield
+
+    def apply(self, f, x):
+        return f(x)
+
+
+def compute_padding(batch: BatchDecoder, mode: str):
+    """``padded``: the batch's passes compute every row's padding, as they
+    did before skipping it; ``recurrence``: all but the recurrence's;
+    ``packed``: none (what the batch does)."""
+    if mode in ("padded", "recurrence"):
+        batch.positions = _Whole()  # the MLPs and head compute the padding
+    if mode == "padded":  # the recurrence is not told the rows' lengths
+        for c in batch.gdn:
+            c.set_row_lengths = lambda n, c=c: setattr(
+                c, "lengths", None if n is None else mx.array(n)
+            )
+
+
+SHAPE_MODES = ("padded", "recurrence", "packed")
+
+
+def pass_ms(model, prompt, shape: List[int], mode: str, repeats: int) -> float:
     """Median ms of a verify pass whose rows hold ``shape[b]`` tokens."""
     batch = BatchDecoder(model, len(shape), max_draft=max(shape) - 1)
+    compute_padding(batch, mode)
     for _ in shape:
         d = SpeculativeDecoder(model, None, max_draft=max(shape) - 1)
         d.feed(prompt)
         batch.add(d, 1 << 20)
     T, times = max(shape), []
-    ragged = None if padded or min(shape) == T else shape
+    ragged = None if min(shape) == T else shape
+    inputs = mx.zeros((len(shape), T), mx.uint32)
     for _ in range(repeats):
         tic = time.perf_counter()
         for c in batch.gdn:
             c.capturing = True
             c.set_row_lengths(ragged)
-            c.lengths = None if min(shape) == T else mx.array(shape)
-        logits, _ = batch.target.forward_rows(mx.zeros((len(shape), T), mx.uint32))
+        with batch.positions.ragged(ragged, T):
+            logits, _ = batch.target.forward_rows(inputs, batch.positions)
         mx.eval(logits)
         times.append(time.perf_counter() - tic)
         batch._commit_caches([0] * len(shape), T)  # every row as before
@@ -142,14 +171,18 @@ def pass_ms(model, prompt, shape: List[int], padded: bool, repeats: int) -> floa
 
 
 def bench_shapes(model, prompt, shapes: List[List[int]], repeats: int):
-    print("| rows' tokens | padding skipped, ms | padding run, ms | ratio |")
+    print("| rows' tokens | padding computed, ms | recurrence skips it | all skip it |")
     print("|---|---|---|---|")
     for shape in shapes:
-        ms = {True: [], False: []}
-        for _, padded in interleaved([False, True], repeats):
-            ms[padded].append(pass_ms(model, prompt, shape, padded, 10))
-        skip, run = (statistics.median(ms[p]) for p in (False, True))
-        print(f"| {shape} | {skip:.2f} | {run:.2f} | {run / skip:.2f}x |", flush=True)
+        ms = {mode: [] for mode in SHAPE_MODES}
+        for _, mode in interleaved(list(SHAPE_MODES), repeats):
+            ms[mode].append(pass_ms(model, prompt, shape, mode, 10))
+        padded, rec, packed = (statistics.median(ms[m]) for m in SHAPE_MODES)
+        print(
+            f"| {shape} | {padded:.2f} | {rec:.2f} ({padded / rec:.2f}x) | "
+            f"{packed:.2f} ({padded / packed:.2f}x) |",
+            flush=True,
+        )
 
 
 def bench_prefill(model, prompts, n, row_counts):
@@ -184,7 +217,7 @@ def main():
     p.add_argument(
         "--padded",
         action="store_true",
-        help="also run each drafter with the recurrence over the rows' padding",
+        help="also run each drafter computing the rows' padding",
     )
     p.add_argument("--prefill", type=int, help="measure prefill of N-token prompts")
     p.add_argument("--shapes", nargs="+", help="time verify passes of these rows")

@@ -30,6 +30,7 @@ from typing import Collection, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from ..models.gdn import make_verifiable
+from ..models.packed import pack_positions
 from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
 from .batch_policy import PassLength, draft_lengths
@@ -77,6 +78,7 @@ class BatchDecoder:
                 self.attention.append(c)
             self.caches.append(c)
         self.target = Target(model, self)
+        self.positions = pack_positions(model)  # MLPs and head skip the padding
         self.rows: List[_Row] = []  # the batch's rows, in cache order
         self.heads: Optional[MTPBatch] = None  # the rows' MTP heads, run together
         self.lengths: Optional[PassLength] = None  # the auto rows' shared length
@@ -208,14 +210,15 @@ class BatchDecoder:
         lengths = [0] * B
         for b in active:
             lengths[b] = 1 + len(drafts[b])
+        ragged = queued is None and any(n < T for n in lengths)  # some padding
         if queued is None:
-            ragged = any(n < T for n in lengths)  # else no token is masked
             for c in self.gdn:
                 c.capturing = True
                 c.set_row_lengths(lengths if ragged else None)
-        logits, hidden = queued or self.target.forward_rows(
-            self._pass_inputs(drafts, T)
-        )
+        with self.positions.ragged(lengths if ragged else None, T):
+            logits, hidden = queued or self.target.forward_rows(
+                self._pass_inputs(drafts, T), self.positions
+            )
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, T, V]
         ahead = queue_ahead and self._plain_ahead(active, T)
         plain = self._queue_plain(logprobs) if ahead else None

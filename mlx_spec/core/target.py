@@ -4,6 +4,7 @@ from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 
+from ..models.packed import PassRows
 from .state import SpeculativeCache
 
 # Model types whose ``model.model(...)`` returns the post-final-norm hidden
@@ -69,12 +70,17 @@ class Target:
         logits, hidden = self.forward_rows(tokens[None])
         return logits[0], None if hidden is None else hidden[0]
 
-    def forward_rows(self, tokens: mx.array) -> Tuple[mx.array, Optional[mx.array]]:
-        """tokens: [B, T] -> (logits [B, T, V], hidden [B, T, H] or None)."""
+    def forward_rows(
+        self, tokens: mx.array, rows: Optional[PassRows] = None
+    ) -> Tuple[mx.array, Optional[mx.array]]:
+        """tokens: [B, T] -> (logits [B, T, V], hidden [B, T, H] or None);
+        ``rows``: the head runs at the positions holding tokens only (zero
+        logits at a ragged pass's padding)."""
         if self.head is None:
             return self.model(tokens, cache=self.cache.caches), None
         hidden = self.model.model(tokens, cache=self.cache.caches)
-        return self.head(hidden), hidden
+        logits = self.head(hidden) if rows is None else rows.apply(self.head, hidden)
+        return logits, hidden
 
     def prefill(
         self,
