@@ -375,7 +375,7 @@ def gated_delta_steps(
     Returns y: [B, T, Hv, Dv] and, with ``keep_states``, the list of the T
     states after each token (views of the kernel's one array); without
     ``keep_states`` the final state. A state is [B, Hv, Dv, Dk] float32.
-    Kernel and reference return the same types.
+    ``lengths``: see ``gated_delta_steps_reference`` (the kernel masks).
     """
 
     def reference():

@@ -30,7 +30,7 @@ Switches (``--switch``):
   passes would have started (``OneDraftWalk`` in
   ``mlx_spec/drafters/base.py``; off: every token the head runs a row for,
   every token accepted after a match).
-- ``shifted-conv``: the GDN layers' causal conv in mlx-spec's passes runs as
+- ``shifted-conv``: the GDN layers' causal conv over mlx-spec's caches runs as
   shifted products (``mlx_spec/models/depthwise_conv.py``; off: the layer's
   ``Conv1d``, as mlx-lm runs it).
 

@@ -182,7 +182,7 @@ def print_conv(model, repeats):
     calls, each evaluated."""
     gdn = first_gdn(model, "--conv")
     K, C = gdn.conv_kernel_size, gdn.conv_dim
-    for rows, T in ((1, 1), (4, 1), (1, 9), (4, 9)):
+    for rows, T in ((1, 1), (4, 1), (1, 9), (4, 9), (1, 256)):
         x = mx.random.normal((rows, K - 1 + T, C)).astype(gdn.conv1d.weight.dtype)
         times = {"Conv1d": [], "products": []}
         for _ in range(repeats + 1):  # one warm-up

@@ -19,13 +19,20 @@ def fresh_probes(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("B,T", [(1, 1), (4, 1), (4, 9), (2, 16)])
+@pytest.mark.parametrize("B,T", [(1, 1), (4, 1), (4, 9), (2, 16), (1, 2048)])
 def test_products_equal_the_conv_bit_for_bit(dtype, B, T):
     conv = _conv(dtype=dtype)
     x = (mx.random.normal((B, 3 + T, 96), key=mx.random.key(T)) * 3).astype(dtype)
     got = dc.depthwise_conv(conv, x)
     assert dc._PROBED  # the products were probed, and used where they match
     assert got.dtype == conv(x).dtype and mx.array_equal(got, conv(x))
+
+
+def test_inputs_longer_than_the_probes_run_the_conv(monkeypatch):
+    conv = _conv()
+    x = mx.random.normal((1, 3 + dc.MAX_POSITIONS + 1, 96), key=mx.random.key(3))
+    monkeypatch.setattr(dc, "_shifted_products", None)  # never reached
+    assert mx.array_equal(dc.depthwise_conv(conv, x), conv(x))
 
 
 def test_products_that_differ_from_the_conv_are_not_used(monkeypatch):

@@ -19,12 +19,14 @@ def _plain_forward(layer, x, cache):
     return parent.__call__(layer, x, None, cache)
 
 
-@pytest.mark.parametrize("T,capturing", [(1, True), (2, True), (5, True), (1, False)])
+@pytest.mark.parametrize(
+    "T,capturing", [(1, True), (2, True), (5, True), (1, False), (7, False)]
+)
 def test_own_forward_equals_mlx_lm_forward(models, family, T, capturing, monkeypatch):
     """Capturing over T tokens gives the output and cache of mlx-lm's own
     forward over the same tokens (then commit keeps them all); so does a
-    one-token step outside a verify pass. Both run mlx-spec's forward (its
-    conv among them); the context before them, a prefill, mlx-lm's."""
+    step or a prefill outside a verify pass, and the context's prefill
+    before them. All run mlx-spec's forward (its conv among them)."""
     import mlx_spec.models.gdn as gdn
 
     convs = []
@@ -41,15 +43,15 @@ def test_own_forward_equals_mlx_lm_forward(models, family, T, capturing, monkeyp
     history = mx.random.normal((1, 6, H))
     x = mx.random.normal((1, T, H))
     plain, ours = ArraysCache(2), GDNSlotCache(max_tokens=8)
-    for c in (plain, ours):
-        _plain_forward(layer, history, c)  # a context first
-    assert convs == []  # the context's prefill: mlx-lm's forward
+    before = _plain_forward(layer, history, plain)  # a context first
+    assert mx.array_equal(layer(history, None, ours), before)
     want = _plain_forward(layer, x, plain)
     ours.capturing = capturing
     got = layer(x, None, ours)
     if capturing:
         ours.commit(T)
-    assert convs == [(1, layer.conv_kernel_size - 1 + T, layer.conv_dim)]
+    K, C = layer.conv_kernel_size, layer.conv_dim
+    assert convs == [(1, K - 1 + 6, C), (1, K - 1 + T, C)]
     assert mx.array_equal(got, want)
     for a, b in zip(ours.cache, plain.cache):
         assert mx.array_equal(a, b)

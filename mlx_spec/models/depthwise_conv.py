@@ -10,12 +10,13 @@ products of each tap in float32, summed in tap order and rounded once to the
 output's dtype, which is what :func:`depthwise_conv` computes, bit for bit.
 
 Whether the device in use convolves exactly so is checked once per device,
-dtype, channel count and kernel size, on random inputs of one and of nine
-positions against the layer's own ``Conv1d``; where it does not (Metal's
-kernels may sum in another order), or for any other convolution, the layer's
-own ``Conv1d`` runs. mlx-spec calls this only for its own passes of a few
-tokens (see ``models/gdn.py``): a prompt's prefill keeps the ``Conv1d``,
-whose algorithm may change with the length.
+input and weight dtype, channel count and kernel size, on random inputs of
+1, 9 and ``MAX_POSITIONS`` positions against the layer's own ``Conv1d``;
+where it does not (Metal's kernels may sum in another order), for longer
+inputs (the ``Conv1d``'s algorithm might change with the length), or for any
+other convolution, the layer's own ``Conv1d`` runs. mlx-spec calls this for
+its own passes only (see ``models/gdn.py``): a model decoding with mlx-lm's
+caches keeps the ``Conv1d``.
 """
 
 from typing import Dict, Tuple
@@ -23,7 +24,9 @@ from typing import Dict, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-_PROBED: Dict[Tuple, bool] = {}  # (device, dtype, C, K) -> products equal the conv
+MAX_POSITIONS = 2048  # the longest input probed (mlx-lm's prefill chunk)
+# (device, input dtype, weight dtype, C, K) -> the products equal the conv
+_PROBED: Dict[Tuple, bool] = {}
 
 
 @mx.compile
@@ -54,10 +57,12 @@ def _matches(conv: nn.Conv1d, dtype) -> bool:
     """Whether the products equal ``conv`` on this device for ``dtype``
     inputs (probed once, on random inputs)."""
     C, K, _ = conv.weight.shape
-    key = (str(mx.default_device()), dtype, C, K)
+    key = (str(mx.default_device()), dtype, conv.weight.dtype, C, K)
     if key not in _PROBED:
-        x = mx.random.normal((2, K - 1 + 9, C), key=mx.random.key(0)) * 4
-        probes = [x.astype(dtype), x[:1, :K].astype(dtype)]
+        shape = (1, K - 1 + MAX_POSITIONS, C)
+        x = (mx.random.normal(shape, key=mx.random.key(0)) * 4).astype(dtype)
+        two_rows = x[:, : 2 * (K - 1 + 9)].reshape(2, K - 1 + 9, C)
+        probes = [x[:, :K], two_rows, x]  # 1 x 1, 2 x 9, 1 x MAX_POSITIONS
         _PROBED[key] = all(
             mx.array_equal(conv(p), _shifted_products(p, conv.weight)).item()
             for p in probes
@@ -68,6 +73,7 @@ def _matches(conv: nn.Conv1d, dtype) -> bool:
 def depthwise_conv(conv: nn.Conv1d, x: mx.array) -> mx.array:
     """``conv(x)`` for x: [B, K-1+T, C] -> [B, T, C], as shifted products
     where they equal it (see the module's docstring)."""
-    if _is_depthwise(conv) and _matches(conv, x.dtype):
+    short = x.shape[1] - conv.weight.shape[1] + 1 <= MAX_POSITIONS
+    if short and _is_depthwise(conv) and _matches(conv, x.dtype):
         return _shifted_products(x, conv.weight)
     return conv(x)

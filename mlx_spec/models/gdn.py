@@ -3,21 +3,21 @@
 mlx-lm's GDN layers keep only the state after the last token they process, so a
 speculative verify pass over ``T`` tokens cannot be undone. The subclasses here
 are mlx-lm's layers (``__call__`` is the parent's) except with a
-:class:`~mlx_spec.core.state.GDNSlotCache` (mlx-spec's own) in a verify pass
-(capturing) or a one-token step: then ``_own_forward`` runs, which restates
-the parent's forward (projections, causal conv, q/k normalisation,
-recurrence, gated norm, output projection, each through the layer's own
-modules and mlx-lm's functions). In a verify pass it hands the cache the conv
-input and the recurrence inputs, so it can restore the state after any prefix
-of the ``T`` tokens; in a step the cache advances as mlx-lm's would. Its
-causal conv is ``models/depthwise_conv.py``'s, which equals the layer's
-``Conv1d`` bit for bit where it runs and costs a fraction of it on a CPU. That
-restatement is the one piece of mlx-lm's code written again here;
-``tests/test_gdn.py`` checks it against the installed mlx-lm (same output and
-cache as the parent's forward). A prompt's prefill, and any model decoding
-with mlx-lm's own caches, runs the parent's forward. Rows of a batch padded
-at the end (``cache.lengths``, the batch decoder's layout) are masked as
-mlx-lm masks them; left-padded caches are refused.
+:class:`~mlx_spec.core.state.GDNSlotCache` (mlx-spec's own): then
+``_own_forward`` runs, which restates the parent's forward (projections,
+causal conv, q/k normalisation, recurrence, gated norm, output projection,
+each through the layer's own modules and mlx-lm's functions). In a verify
+pass (the cache capturing) it hands the cache the conv input and the
+recurrence inputs, so it can restore the state after any prefix of the ``T``
+tokens; otherwise (a step, a prompt's prefill) the cache advances as
+mlx-lm's would. Its causal conv is ``models/depthwise_conv.py``'s, which
+equals the layer's ``Conv1d`` bit for bit where it runs and costs a fraction
+of it on a CPU. That restatement is the one piece of mlx-lm's code written
+again here; ``tests/test_gdn.py`` checks it against the installed mlx-lm
+(same output and cache as the parent's forward). A model decoding with
+mlx-lm's own caches runs the parent's forward. Rows of a batch padded at the
+end (``cache.lengths``, the batch decoder's layout) are masked as mlx-lm
+masks them; left-padded caches are refused.
 
 With a cache that sets ``evaluate_early`` (mlx-spec's own; mlx-lm's caches do
 not, so mlx-lm decoding the same model object is unchanged), a layer's output
@@ -40,8 +40,7 @@ class _VerifyGDNMixin:
     """Verify-pass forward shared by the GDN families; ``_project`` differs."""
 
     def __call__(self, inputs, mask=None, cache=None):
-        ours = getattr(cache, "capturing", None) is not None  # mlx-spec's cache
-        if ours and (cache.capturing or inputs.shape[1] == 1):
+        if getattr(cache, "capturing", None) is not None:  # mlx-spec's cache
             out = self._own_forward(inputs, mask, cache)
         else:
             out = super().__call__(inputs, mask, cache)
