@@ -29,11 +29,11 @@ LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 """
 
 import argparse
-from contextlib import contextmanager
-from typing import List
 import json
 import statistics
 import time
+from contextlib import contextmanager
+from typing import List
 
 import mlx.core as mx
 
