@@ -84,3 +84,31 @@ def test_ragged_batch_passes_compute_the_tokens_only(models, family, monkeypatch
     run_batch(batch, got)
     assert got == want
     assert computed and all(n < positions for n, positions in computed)
+
+
+def test_an_mlp_called_with_more_arguments_is_left_to_its_own_call():
+    """Another model's MLP taking more than the hidden states keeps its own
+    call (and its result) even while a ragged pass is built."""
+    import mlx.nn as nn
+
+    class GatedMLP(nn.Module):
+        def __call__(self, x, gate=1.0):
+            return x * gate
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = GatedMLP()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [Layer()]
+
+    model = Model()
+    rows = pack_positions(model)
+    x = mx.ones((2, 3, 4))
+    with rows.ragged([3, 1], 3):
+        assert mx.array_equal(model.layers[0].mlp(x, 2.0), 2 * x)
+        packed = model.layers[0].mlp(x)
+    assert not packed[1, 1:].any() and mx.array_equal(packed[0], x[0])

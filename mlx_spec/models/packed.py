@@ -55,9 +55,12 @@ class PassRows:
 
 
 class _PackedMLP:
-    """An MLP computed at the positions holding tokens (see module)."""
+    """An MLP computed at the positions holding tokens (see module); a call
+    with more than the hidden states (another model's MLP) is the parent's."""
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        if args or kwargs or x.ndim != 3:
+            return super().__call__(x, *args, **kwargs)
         return self._pass_rows.apply(super().__call__, x)
 
 
