@@ -68,6 +68,17 @@ def test_left_padded_cache_is_refused(models):
         layer(mx.zeros((1, 2, H)), None, cache)
 
 
+def test_a_layer_sharded_over_devices_is_refused(models, monkeypatch):
+    """mlx-lm's tensor-parallel GDN layer sums its output over a group; the
+    forward mlx-spec runs over its caches does not, so it says so."""
+    model, _ = models["qwen3_5"]
+    layer = _gdn_layers(model)[0]
+    monkeypatch.setattr(layer, "sharding_group", object(), raising=False)
+    H = layer.in_proj_qkv.weight.shape[1]
+    with pytest.raises(NotImplementedError, match="--pipeline"):
+        layer(mx.zeros((1, 1, H)), None, GDNSlotCache(max_tokens=4))
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 @pytest.mark.parametrize("skip_padding", [False, True])
 @pytest.mark.parametrize("kept", [[4, 1, 0, 2], [3, 1, 0, 1]])

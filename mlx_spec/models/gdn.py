@@ -50,6 +50,12 @@ class _VerifyGDNMixin:
 
     def _own_forward(self, inputs: mx.array, mask, cache) -> mx.array:
         # inputs: [B, T, hidden]
+        if getattr(self, "sharding_group", None) is not None:
+            raise NotImplementedError(
+                "Gated-DeltaNet layers sharded over devices (mlx-lm's tensor "
+                "parallelism) are not supported; split the model by layers "
+                "instead (--pipeline)"
+            )
         if cache.left_padding is not None:
             raise NotImplementedError(
                 "speculative verify passes over left-padded GDN caches are not "
