@@ -33,7 +33,7 @@ import json
 import statistics
 import time
 from contextlib import contextmanager
-from typing import List
+from typing import List, Optional
 
 import mlx.core as mx
 
@@ -170,6 +170,18 @@ def pass_ms(model, prompt, shape: List[int], mode: str, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def parse_shapes(texts: List[str]) -> Optional[List[List[int]]]:
+    """``["9,1,1,1", ...]`` -> the rows' token counts; None if one is not
+    counts of at least 0 with one of at least 1."""
+    try:
+        shapes = [[int(n) for n in text.split(",")] for text in texts]
+    except ValueError:
+        return None
+    if any(min(shape) < 0 or max(shape) < 1 for shape in shapes):
+        return None
+    return shapes
+
+
 def bench_shapes(model, prompt, shapes: List[List[int]], repeats: int):
     print("| rows' tokens | padding computed, ms | recurrence skips it | all skip it |")
     print("|---|---|---|---|")
@@ -231,6 +243,9 @@ def main():
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    shapes = parse_shapes(args.shapes or [])
+    if shapes is None:
+        p.error(f"--shapes wants token counts like 9,1,1,1, got {args.shapes}")
     k = args.num_draft_tokens
     k = k if k == "auto" else int(k)
     model, tok = mlx_spec.load(args.model)
@@ -238,13 +253,7 @@ def main():
     names = args.workloads or [w["name"] for w in workloads if w["kind"] != "long"]
     prompts = [tok.encode(w["prompt"]) for w in workloads if w["name"] in names]
     print(json.dumps(machine_info()))
-    if args.shapes:
-        try:
-            shapes = [[int(n) for n in x.split(",")] for x in args.shapes]
-        except ValueError:
-            shapes = [[-1]]
-        if any(min(shape) < 0 or max(shape) < 1 for shape in shapes):
-            p.error(f"--shapes wants token counts like 9,1,1,1, got {args.shapes}")
+    if shapes:
         return bench_shapes(model, prompts[0], shapes, args.repeats)
     if args.prefill:
         return bench_prefill(model, prompts, args.prefill, args.rows)

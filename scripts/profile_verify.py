@@ -186,10 +186,12 @@ def print_conv(model, repeats):
         x = mx.random.normal((rows, K - 1 + T, C)).astype(gdn.conv1d.weight.dtype)
         times = {"Conv1d": [], "products": []}
         for _ in range(repeats + 1):  # one warm-up
-            for name, f in (("Conv1d", gdn.conv1d), ("products", depthwise_conv)):
-                args = (x,) if name == "Conv1d" else (gdn.conv1d, x)
+            for name, conv in (
+                ("Conv1d", lambda: gdn.conv1d(x)),
+                ("products", lambda: depthwise_conv(gdn.conv1d, x)),
+            ):
                 tic = time.perf_counter()
-                mx.eval(f(*args))
+                mx.eval(conv())
                 times[name].append(time.perf_counter() - tic)
         us = {n: 1e6 * statistics.median(t[1:]) for n, t in times.items()}
         print(

@@ -79,7 +79,6 @@ def test_a_layer_sharded_over_devices_is_refused(models, monkeypatch):
         layer(mx.zeros((1, 1, H)), None, GDNSlotCache(max_tokens=4))
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 @pytest.mark.parametrize("skip_padding", [False, True])
 @pytest.mark.parametrize("kept", [[4, 1, 0, 2], [3, 1, 0, 1]])
 def test_rows_padded_at_the_end_match_mlx_lm(
