@@ -2,6 +2,7 @@
 
 import json
 
+import mlx.core as mx
 import pytest
 
 import mlx_spec.commands.bench as bench
@@ -26,17 +27,18 @@ ROW_KEYS = {
     "ideal_speedup": float,
     "achieved_over_ideal": float,
     "peak_memory_gb": float,
+    "first_token_differing_from_plain": type(None),  # lossless: none differs
 }
 
 
-def test_bench_json_schema(checkpoint_dirs, tmp_path, capsys):
+def _one_workload(tmp_path) -> str:
     workloads = tmp_path / "w.jsonl"
-    workloads.write_text(
-        json.dumps(
-            {"name": "rep", "kind": "copy", "prompt": "a = 1\n" * 6, "max_tokens": 10}
-        )
-        + "\n"
-    )
+    row = {"name": "rep", "kind": "copy", "prompt": "a = 1\n" * 6, "max_tokens": 10}
+    workloads.write_text(json.dumps(row) + "\n")
+    return str(workloads)
+
+
+def test_bench_json_schema(checkpoint_dirs, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = bench.main(
         [
@@ -48,7 +50,7 @@ def test_bench_json_schema(checkpoint_dirs, tmp_path, capsys):
             "2",
             "auto",
             "--workloads-file",
-            str(workloads),
+            _one_workload(tmp_path),
             "--repeats",
             "1",
             "--json",
@@ -74,6 +76,39 @@ def test_bench_json_schema(checkpoint_dirs, tmp_path, capsys):
         }
         assert row["tps"] > 0 and row["plain_tps"] > 0
         assert row["host_cpu_ms_per_pass"] > 0 and row["plain_host_cpu_ms_per_step"] > 0
+
+
+def test_bench_fails_when_speculation_changes_a_token(
+    checkpoint_dirs, tmp_path, capsys, monkeypatch
+):
+    """The negative control of the lossless column: a speculative stream
+    whose third token is changed is reported, and the command fails."""
+    real = bench.stream_generate
+
+    def one_token_off(*args, **kwargs):
+        for i, r in enumerate(real(*args, **kwargs)):
+            if i == 2:
+                r.token = r.token + 1
+            yield r
+
+    monkeypatch.setattr(bench, "stream_generate", one_token_off)
+    model = str(checkpoint_dirs["qwen3_next"])
+    argv = ["--model", model, "--draft", "ngram", "--num-draft-tokens", "2"]
+    argv += ["--workloads-file", _one_workload(tmp_path), "--repeats", "1"]
+    rc = bench.main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 1
+    assert "DIFF@2" in out
+    assert "rep / ngram / 2" in err and "from token 2" in err
+
+
+def test_first_difference():
+    plain = [{"tokens": [1, 2, 3]}] * 2
+    assert bench.first_difference(plain, [{"tokens": [1, 2, 3]}]) is None
+    assert bench.first_difference(plain, [{"tokens": [1, 5, 3]}]) == 1
+    assert bench.first_difference(plain, [{"tokens": [1, 2]}]) == 2  # stopped early
+    unsteady = [{"tokens": [1, 2, 3]}, {"tokens": [1, 2, 4]}]
+    assert bench.first_difference(unsteady, [{"tokens": [1, 2, 3]}]) == -1
 
 
 def test_bundled_workloads_cover_every_kind(models):
@@ -126,3 +161,18 @@ def test_the_median_run_is_a_whole_run():
     runs = [{"tps": 3.0, "n": 1}, {"tps": 1.0, "n": 2}, {"tps": 2.0, "n": 3}]
     assert bench.median_run(runs, "tps") == {"tps": 2.0, "n": 3}
     assert bench.median_run(runs[:2], "tps")["tps"] == 3.0  # even: the upper one
+
+
+@pytest.mark.skipif(
+    not bench.blas_in_use().startswith("reference BLAS"),
+    reason="a preloaded BLAS may round a row differently with the row count",
+)
+def test_reference_blas_rows_do_not_depend_on_the_row_count():
+    """What the bit-for-bit lossless tests rest on: with the wheel's BLAS a
+    verify pass's matmul over T rows gives each row plain decoding's bits."""
+    mx.random.seed(0)
+    w = mx.random.normal((1280, 256))
+    x = mx.random.normal((64, 256))
+    one_at_a_time = mx.concatenate([x[i : i + 1] @ w.T for i in range(64)])
+    for rows in (2, 4, 9, 64):
+        assert mx.array_equal(x[:rows] @ w.T, one_at_a_time[:rows])

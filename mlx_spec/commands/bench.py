@@ -15,6 +15,11 @@ their device work too); ``work``: the host thread's CPU time in those phases
 host thread's CPU time per pass in the untimed runs, everything included
 (graph building, MLX's setting up of each operation on the calling thread),
 beside plain decoding's per step (``plain cpu``).
+
+Greedy speculation is lossless, and every run checks it on the machine in
+use: each speculative run's tokens are compared with the plain runs' (the
+``tokens`` column: ``= plain``, or ``DIFF@i`` at the first position where
+they differ, which also makes the command exit with status 1).
 """
 
 import argparse
@@ -27,7 +32,7 @@ import sysconfig
 import time
 from importlib import resources
 from pathlib import Path
-from typing import Dict, List
+from typing import List, Optional
 
 import mlx.core as mx
 
@@ -36,6 +41,7 @@ from ..core.stats import SpecStats
 from ..drafters import DRAFTS
 from ..generate import stream_generate
 from ..mlx_lm_compat import plain_stream_generate
+from .bench_report import format_table, lossless_report, plot
 from .common import CommandError, bad_input, command, draft_length, load_model
 
 KINDS = ("copy", "free", "long")
@@ -132,23 +138,29 @@ def median_run(runs: List[dict], key: str) -> dict:
 
 def _decode(responses):
     """Run a response stream; (last response, host CPU seconds after the
-    first). The host CPU is the calling thread's CPU time: MLX evaluates on
-    its own threads and a host waiting for it uses none, so this is the host's
-    own work (graph building and bookkeeping), whatever the device does."""
-    first, last = None, None
+    first, the token ids). The host CPU is the calling thread's CPU time: MLX
+    evaluates on its own threads and a host waiting for it uses none, so this
+    is the host's own work (graph building and bookkeeping), whatever the
+    device does."""
+    first, last, tokens = None, None, []
     for last in responses:
         if first is None:
             first = time.thread_time()
-    return last, time.thread_time() - first
+        tokens.append(last.token)
+    return last, time.thread_time() - first, tokens
 
 
 def _run_plain(model, tok, prompt, max_tokens):
     mx.reset_peak_memory()
-    last, host = _decode(
+    last, host, tokens = _decode(
         plain_stream_generate(model, tok, prompt, max_tokens=max_tokens)
     )
     steps = max(last.generation_tokens - 1, 1)
-    return {"tps": last.generation_tps, "host_s_per_step": host / steps}
+    return {
+        "tps": last.generation_tps,
+        "host_s_per_step": host / steps,
+        "tokens": tokens,
+    }
 
 
 def _run_spec(model, tok, prompt, max_tokens, draft, k, timing=False):
@@ -164,8 +176,9 @@ def _run_spec(model, tok, prompt, max_tokens, draft, k, timing=False):
         stats=stats,
         timing=timing,
     )
-    last, host = _decode(responses)
+    last, host, tokens = _decode(responses)
     return {
+        "tokens": tokens,
         "tps": last.generation_tps,
         # the first pass ran before the first response
         "host_s_per_step": host / max(stats.verify_passes - 1, 1),
@@ -181,6 +194,21 @@ def ideal_speedup(stats: SpecStats, costs: List[float]) -> float:
         for T, n in stats.passes_by_tokens.items()
     )
     return stats.generated / work if work else 0.0
+
+
+def first_difference(plain_runs, spec_runs) -> Optional[int]:
+    """The first position where a speculative run's greedy tokens leave the
+    plain runs' (None: every run emitted the plain tokens; -1: the plain runs
+    disagree among themselves, so nothing can be judged)."""
+    reference = plain_runs[0]["tokens"]
+    if any(r["tokens"] != reference for r in plain_runs):
+        return -1
+    for r in spec_runs:
+        if r["tokens"] != reference:
+            pairs = zip(r["tokens"], reference)
+            same = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+            return min(len(r["tokens"]), len(reference)) if same is None else same
+    return None
 
 
 def summarise(name, kind, plain_runs, spec_runs, timed, costs) -> dict:
@@ -218,6 +246,10 @@ def summarise(name, kind, plain_runs, spec_runs, timed, costs) -> dict:
         "ideal_speedup": ideal,
         "achieved_over_ideal": speedup / ideal if ideal else 0.0,
         "peak_memory_gb": max(r["peak_memory_gb"] for r in spec_runs),
+        # greedy speculation is lossless: every run's tokens are plain decoding's
+        "first_token_differing_from_plain": first_difference(
+            plain_runs, spec_runs + [timed]
+        ),
     }
 
 
@@ -242,56 +274,6 @@ def run_bench(model, tok, workloads, settings, repeats, progress=None) -> List[d
             row.update(draft=s[0], num_draft_tokens=s[1])
             results.append(row)
     return results
-
-
-def format_table(results: List[dict]) -> str:
-    head = (
-        f"{'workload':<14} {'draft':<10} {'k':>4} {'plain':>7} {'spec':>7} "
-        f"{'speedup':>7} {'tok/pass':>8} {'ideal':>6} {'ach/id':>6} "
-        f"{'phases':>6} {'work':>5} {'cpu':>5} {'plain cpu':>9} "
-        f"{'acceptance per position'}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in results:
-        acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"][:8])
-        lines.append(
-            f"{r['workload']:<14} {r['draft']:<10} {str(r['num_draft_tokens']):>4} "
-            f"{r['plain_tps']:>7.1f} {r['tps']:>7.1f} {r['speedup']:>6.2f}x "
-            f"{r['tokens_per_pass']:>8.2f} {r['ideal_speedup']:>5.2f}x "
-            f"{r['achieved_over_ideal']:>6.2f} {r['host_overhead_ms_per_pass']:>6.2f} "
-            f"{r['host_work_ms_per_pass']:>5.2f} {r['host_cpu_ms_per_pass']:>5.2f} "
-            f"{r['plain_host_cpu_ms_per_step']:>9.2f} {acc}"
-        )
-    return "\n".join(lines)
-
-
-def plot(results: List[dict], path: str):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise SystemExit("--plot needs matplotlib: pip install 'mlx-spec[plot]'") from e
-    fig, ax = plt.subplots(figsize=(7, 4))
-    keyed: Dict[tuple, list] = {}
-    for r in results:
-        if isinstance(r["num_draft_tokens"], int):
-            keyed.setdefault((r["workload"], r["draft"]), []).append(r)
-    for (workload, draft), rows in sorted(keyed.items()):
-        rows.sort(key=lambda r: r["num_draft_tokens"])
-        ax.plot(
-            [r["num_draft_tokens"] for r in rows],
-            [r["speedup"] for r in rows],
-            marker="o",
-            label=f"{workload} / {draft}",
-        )
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xlabel("draft length k")
-    ax.set_ylabel("speedup vs plain mlx-lm")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def setup_parser():
@@ -373,4 +355,7 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps(out, indent=1))
     if args.plot:
         plot(results, args.plot)
-    return 0
+    report = lossless_report(results)
+    for line in report:
+        print(line, file=sys.stderr)
+    return 1 if any(line.startswith("error") for line in report) else 0
