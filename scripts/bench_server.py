@@ -1,9 +1,10 @@
 """Drive ``mlx_spec server`` and ``mlx_lm.server`` on the same model with N
 concurrent clients, in one run, and report throughput, time to first token
-and the speculation counters; then time the first token of turn 2 of a long
-conversation against turn 1 (the kept conversation state at work), and of two
-new conversations with the same long system prompt (the state kept where it
-ends, at work in the second).
+and the speculation counters (for mlx_spec's servers also where the worker's
+time went, prefilling prompts or running passes, read from its /health); then
+time the first token of turn 2 of a long conversation against turn 1 (the
+kept conversation state at work), and of two new conversations with the same
+long system prompt (the state kept where it ends, at work in the second).
 
 Servers: ``mlx_spec`` (batched speculation, ``--decode-concurrency 8``),
 ``mlx_spec-serial`` (the same server one request at a time) and ``mlx_lm``
@@ -44,6 +45,7 @@ from mlx_spec.commands.bench import (
     median_run,
 )
 from mlx_spec.demo import default_model_path
+from mlx_spec.drafters import DRAFTS
 from mlx_spec.testing.server import free_port, mlx_spec_server, running_server
 
 
@@ -113,6 +115,35 @@ def concurrent(port, prompts, clients, max_tokens, extra):
     }
 
 
+def worker_time(port):
+    """The mlx_spec worker's time so far (its /health), or None (mlx_lm.server)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/health")
+    r = conn.getresponse()
+    text = r.read()
+    conn.close()
+    try:
+        body = json.loads(text) if r.status == 200 else None
+    except ValueError:
+        body = None
+    return body.get("worker") if isinstance(body, dict) else None
+
+
+def worker_split(before, after) -> dict:
+    """Where the worker's time went between two /health readings."""
+    if not before or not after:
+        return {}
+    passes = after["passes"] - before["passes"]
+    rows = after["rows_per_pass"] * after["passes"]
+    rows -= before["rows_per_pass"] * before["passes"]
+    return {
+        "prefill_s": after["prefill_s"] - before["prefill_s"],
+        "passes_s": after["passes_s"] - before["passes_s"],
+        "passes": passes,
+        "rows_per_pass": rows / max(passes, 1),
+    }
+
+
 def conversation(port, context, max_tokens, extra):
     """Time to first token of turn 1 (a long context) and turn 2 (the same
     conversation plus the reply and a short question)."""
@@ -151,8 +182,10 @@ def run_server(name, argv, port, prompts, context, args, log):
     with running_server(argv, port, timeout=300, log=log):
         stream(port, "/v1/completions", {"prompt": prompts[0], "max_tokens": 8})
         for n in args.clients:
+            before = worker_time(port)
+            row = concurrent(port, prompts, n, args.max_tokens, extra)
             rows.append(
-                {"server": name, **concurrent(port, prompts, n, args.max_tokens, extra)}
+                {"server": name, **row, **worker_split(before, worker_time(port))}
             )
             print(json.dumps(rows[-1]), flush=True)
         turns = list(conversation(port, context, 32, extra))
@@ -212,7 +245,11 @@ def main():
         help="extra arguments for the mlx_spec servers, e.g. '--prefill-chunk 128'",
     )
     p.add_argument(
-        "--servers", nargs="+", default=["mlx_spec", "mlx_spec-serial", "mlx_lm"]
+        "--servers",
+        nargs="+",
+        default=["mlx_spec", "mlx_spec-serial", "mlx_lm"],
+        help="mlx_spec, mlx_spec-serial, mlx_lm; mlx_spec/DRAFT: the batched "
+        "server with --draft DRAFT (e.g. mlx_spec/none mlx_spec/ngram)",
     )
     p.add_argument(
         "--rounds", type=int, default=1, help="every server in turn, this many times"
@@ -220,6 +257,12 @@ def main():
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    known = ["mlx_spec", "mlx_spec-serial", "mlx_lm"] + [
+        f"mlx_spec/{d}" for d in DRAFTS
+    ]
+    for name in args.servers:
+        if name not in known:
+            p.error(f"unknown server {name!r}: one of {', '.join(known)}")
     _, tok = mlx_spec.load(args.model)
     prompts = [
         w["prompt"]
@@ -240,11 +283,13 @@ def main():
         if name.startswith("mlx_spec"):
             concurrency = "1" if name.endswith("serial") else "8"
             extra = ["--decode-concurrency", concurrency] + args.server_args.split()
+            if name.startswith("mlx_spec/"):
+                extra += ["--draft", name.split("/", 1)[1]]
             argv = mlx_spec_server(args.model, port, *extra)
         else:
             argv = [sys.executable, "-m", "mlx_lm.server", "--model", args.model]
             argv += ["--port", str(port), "--host", "127.0.0.1"]
-        log = str(log_dir / f"{name}-{r}.log")
+        log = str(log_dir / f"{name.replace('/', '-')}-{r}.log")
         rounds[name].append(run_server(name, argv, port, prompts, context, args, log))
     table, turns = [], {}
     for name, runs in rounds.items():
@@ -253,14 +298,20 @@ def main():
         turns[name] = [statistics.median(t) for t in zip(*(t for _, t in runs))]
     print()
     print(
-        "| server | clients | aggregate tok/s | per-request tok/s | TTFT median s | accepted/drafted |"
+        "| server | clients | aggregate tok/s | per-request tok/s | TTFT median s | "
+        "accepted/drafted | worker: prefill s, passes s, rows a pass |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for r in table:
         spec = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "-"
+        work = "-"
+        if "passes_s" in r:
+            work = (
+                f"{r['prefill_s']:.2f}, {r['passes_s']:.2f}, {r['rows_per_pass']:.2f}"
+            )
         print(
             f"| {r['server']} | {r['clients']} | {r['aggregate_tps']:.1f} | "
-            f"{r['request_tps']:.1f} | {r['ttft_median']:.3f} | {spec} |"
+            f"{r['request_tps']:.1f} | {r['ttft_median']:.3f} | {spec} | {work} |"
         )
     print()
     print(

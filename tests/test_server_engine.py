@@ -106,6 +106,10 @@ def test_concurrent_jobs_share_passes_and_each_gets_its_answer(models):
         for job, (prompt, n) in zip(jobs, specs):
             assert tokens_of(job_events(job)) == reference_tokens(model, tok, prompt, n)
         assert engine.peak_decoding == 3
+        work = engine.status()["worker"]
+        assert work["prefill_s"] > 0 and work["passes_s"] > 0
+        # every pass ran all three rows until the shortest ended, then fewer
+        assert 1 < work["rows_per_pass"] < 3 and work["passes"] >= 20 / 4
     finally:
         engine.close()
 

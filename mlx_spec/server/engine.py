@@ -142,6 +142,8 @@ class Engine:
         self.prefills = PrefillQueue(self.states, prefill_chunk)
         self._closing = False
         self.peak_decoding = 0  # most requests verified in one pass so far
+        # the worker's time so far: prefilling joining prompts, and passes
+        self.work = {"prefill_s": 0.0, "passes_s": 0.0, "passes": 0, "rows": 0}
         self._worker = threading.Thread(target=self._work, name="mlx_spec-engine")
         self._worker.daemon = True
         if start:
@@ -170,12 +172,19 @@ class Engine:
         return self._worker.is_alive()
 
     def status(self) -> dict:
-        """For ``/health``: requests decoding and queued, the kept states."""
+        """For ``/health``: requests decoding and queued, the kept states, and
+        the worker's time so far (prefilling prompts, running passes)."""
         return {
             "busy": bool(self._live),
             "decoding": len(self._live),
             "prefilling": len(self.prefills),
             "peak_decoding": self.peak_decoding,
+            "worker": {
+                "prefill_s": round(self.work["prefill_s"], 6),
+                "passes_s": round(self.work["passes_s"], 6),
+                "passes": self.work["passes"],
+                "rows_per_pass": self.work["rows"] / max(self.work["passes"], 1),
+            },
             "queued": self._jobs.qsize(),
             "kept_states": self.states.histories(),
             "kept_bytes": self.states.nbytes,
@@ -209,7 +218,9 @@ class Engine:
         while not (self._closing and not self._live and not self.prefills):
             for job in self._incoming(batch.free - len(self.prefills)):
                 self._start(job)
+            tic = time.perf_counter()
             self._prefill(batch)
+            self.work["prefill_s"] += time.perf_counter() - tic
             if self._live:
                 try:
                     self._step(batch)
@@ -303,11 +314,16 @@ class Engine:
         self._live[id] = output
 
     def _step(self, batch: BatchDecoder):
-        self.peak_decoding = max(self.peak_decoding, len(batch.active))
+        rows = len(batch.active)
+        self.peak_decoding = max(self.peak_decoding, rows)
         # a prompt about to join would roll back a pass queued ahead of it
         joins = self.prefills.admits_next(self.prefill_chunk)
+        tic = time.perf_counter()
         for id, (tokens, logprobs) in batch.step(queue_ahead=not joins).items():
             self._live[id].emit(tokens, logprobs)
+        self.work["passes_s"] += time.perf_counter() - tic
+        self.work["passes"] += 1
+        self.work["rows"] += rows
         active = set(batch.active)
         for id, output in list(self._live.items()):
             if output.job.cancelled and output.reason is None:
