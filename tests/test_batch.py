@@ -195,12 +195,13 @@ def test_a_long_sequence_joins_a_batch_of_short_ones(models, family):
 
 def _beside_a_row_drafting_five(model, tok, drafter, verify_costs=None):
     """An ``auto`` row decoding a short prompt with ``drafter(prompt, ref)``
-    beside a row drafting 5 tokens a pass: its tokens, plain decoding's
-    tokens and its stats."""
+    beside a row drafting 5 tokens a pass (while its known continuation
+    lasts): its tokens, plain decoding's tokens, its stats and the other
+    row's."""
     long, short = prompts("mixed", seed=11), prompts("random", seed=12)
     batch = BatchDecoder(model, n_slots=2, max_draft=8)
     sure = OracleDrafter(long + reference_tokens(model, tok, long, 200))
-    batch.add(fed_decoder(model, long, sure, 8), 200, num_draft_tokens=5)
+    fixed = batch.add(fed_decoder(model, long, sure, 8), 200, num_draft_tokens=5)
     ref = reference_tokens(model, tok, short, 30)
     row = batch.add(
         fed_decoder(model, short, drafter(short, ref), 8),
@@ -211,7 +212,7 @@ def _beside_a_row_drafting_five(model, tok, drafter, verify_costs=None):
     got = []
     while row in batch.active:
         got += batch.step().get(row, ([], None))[0]
-    return got, ref, batch.take(row).stats
+    return got, ref, batch.take(row).stats, batch.take(fixed).stats
 
 
 # One-sequence verify costs for T = 1..9 tokens (seconds).
@@ -236,10 +237,11 @@ def modelled_pass_costs(monkeypatch):
 def test_an_auto_row_drafts_as_long_as_the_pass(models, family, modelled_pass_costs):
     """Beside a row drafting 5 tokens a pass, an ``auto`` row whose drafts
     are never accepted still verifies up to 5 drafts each pass (the pass
-    computes those positions for every row anyway), and its tokens are
-    still plain decoding's."""
+    computes those positions for every row anyway); once the other row has
+    no draft (its known continuation ended), its own copies alone do not pay
+    for their pass and it decodes plainly. Its tokens are plain decoding's."""
     model, tok = models[family]
-    got, ref, stats = _beside_a_row_drafting_five(
+    got, ref, stats, other = _beside_a_row_drafting_five(
         model,
         tok,
         lambda prompt, ref: OracleDrafter(prompt + ref, error=1.0),
@@ -247,7 +249,37 @@ def test_an_auto_row_drafts_as_long_as_the_pass(models, family, modelled_pass_co
     )
     assert got == ref
     assert stats.verify_passes == len(ref) and stats.accepted == 0
-    assert stats.drafted == sum(min(5, 29 - i) for i in range(len(ref)))
+    beside = other.drafted_at[0]  # passes where the other row drafted
+    assert beside >= 10
+    assert stats.drafted == sum(min(5, 29 - i) for i in range(beside))
+    # it drafted in exactly those passes (the last has no room for a draft)
+    assert stats.drafted_at[0] == min(beside, len(ref) - 1)
+
+
+def test_a_lone_copy_does_not_pay_for_its_pass(models):
+    """Four ``auto`` rows expecting 0.9 of their drafts accepted, but only
+    one found a copy: three drafts (the pass computes every row over 4
+    positions) do not pay against a plain pass under the cost model, so the
+    pass runs plain; one draft on each row does. Drafts that ran anyway or
+    were asked for stand: a head's (its steps ran), a fixed-length row's, a
+    probe's."""
+    model, _ = models["qwen3_next"]
+    batch = BatchDecoder(model, n_slots=4, max_draft=8)
+    for i in range(4):
+        prompt = prompts("random", seed=30 + i)
+        decoder = fed_decoder(model, prompt, OracleDrafter(prompt), 8)
+        batch.add(decoder, 24, verify_costs=_COSTS)
+    for row in batch.rows:
+        row.policy.select(None).acceptance = lambda: [0.9] * 8
+    lone = {0: [5, 6, 7], 1: [], 2: [], 3: []}
+    assert not batch._copies_pay(lone)
+    assert batch._copies_pay({b: [5] for b in range(4)})
+    assert batch._copies_pay({**lone, 0: mx.array([5, 6, 7])})  # the head's
+    batch.lengths.probing = True
+    assert batch._copies_pay(lone)
+    batch.lengths.probing = False
+    batch.rows[0].policy = None  # a fixed draft length
+    assert batch._copies_pay(lone)
 
 
 def test_a_head_row_does_not_draft_up_to_a_copy_rows_length(
@@ -258,7 +290,7 @@ def test_a_head_row_does_not_draft_up_to_a_copy_rows_length(
     of its drafts would be one more head step. Its tokens are plain
     decoding's."""
     model, tok = models[family]
-    got, ref, stats = _beside_a_row_drafting_five(
+    got, ref, stats, _ = _beside_a_row_drafting_five(
         model, tok, lambda prompt, ref: make_drafter("mtp", model), _COSTS
     )
     assert got == ref

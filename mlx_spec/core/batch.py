@@ -33,7 +33,7 @@ from ..models.gdn import make_verifiable
 from ..models.packed import pack_positions
 from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
-from .batch_policy import PassLength, draft_lengths
+from .batch_policy import PassLength, draft_lengths, expected_tokens
 from .decode import SpeculativeDecoder
 from .policy import SourcePolicies, policies_by_source
 from .verify_profile import head_step_cost, verify_cost_profile
@@ -205,6 +205,8 @@ class BatchDecoder:
         drafts, seconds = {}, {}  # seconds: None for a lazy draft (not host work)
         for b in active:
             drafts[b], seconds[b] = self._draft(self.rows[b], ks[b])
+        if not self._copies_pay(drafts):
+            drafts = dict.fromkeys(active, [])
         T = 1 + max(len(d) for d in drafts.values())
         B = len(self.rows)
         lengths = [0] * B
@@ -254,6 +256,26 @@ class BatchDecoder:
             elapsed = time.perf_counter() - tic
             self.lengths.observe(B, T, elapsed, head_steps, catch_up)
         return out
+
+    def _copies_pay(self, drafts: Dict[int, list]) -> bool:
+        """Whether the copies the ``auto`` rows found are worth their pass
+        (by the batch's cost model) against a plain one. The length was
+        chosen from each row's acceptance, which counts only the drafts a row
+        made: a copy row finding no match drafts nothing, yet the pass is as
+        long as its longest row. Drafts of the head (their steps already
+        ran), of fixed-length rows and of a probe always pay."""
+        if self.lengths is None or self.lengths.probing or len(self.rows) < 2:
+            return True
+        tokens, T = 0.0, 1 + max(len(d) for d in drafts.values())
+        for b, draft in drafts.items():
+            row = self.rows[b]
+            if len(draft) and (row.policy is None or isinstance(draft, mx.array)):
+                return True
+            acceptance = row.policy.active.acceptance() if row.policy else []
+            tokens += expected_tokens(acceptance, len(draft))
+        B = len(self.rows)
+        cost = self.lengths.cost
+        return T == 1 or tokens / cost(B, T) >= len(drafts) / cost(B, 1)
 
     def _commit_caches(self, kept: List[int], T: int):
         """Every row keeps ``kept[b]`` of the pass's ``T`` inputs (0: the row
