@@ -263,8 +263,12 @@ class BatchDecoder:
         chosen from each row's acceptance, which counts only the drafts a row
         made: a copy row finding no match drafts nothing, yet the pass is as
         long as its longest row. Drafts of the head (their steps already
-        ran), of fixed-length rows and of a probe always pay."""
-        if self.lengths is None or self.lengths.probing or len(self.rows) < 2:
+        ran), of fixed-length rows and of a probe always pay; so do all
+        drafts in a pipeline, whose ranks each fit their own cost model and
+        would have to agree on every pass once more."""
+        lengths = self.lengths
+        pipelined = self.group is not None
+        if lengths is None or lengths.probing or len(self.rows) < 2 or pipelined:
             return True
         tokens, T = 0.0, 1 + max(len(d) for d in drafts.values())
         for b, draft in drafts.items():
@@ -273,8 +277,7 @@ class BatchDecoder:
                 return True
             acceptance = row.policy.active.acceptance() if row.policy else []
             tokens += expected_tokens(acceptance, len(draft))
-        B = len(self.rows)
-        cost = self.lengths.cost
+        B, cost = len(self.rows), lengths.cost
         return T == 1 or tokens / cost(B, T) >= len(drafts) / cost(B, 1)
 
     def _commit_caches(self, kept: List[int], T: int):
