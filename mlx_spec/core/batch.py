@@ -262,15 +262,17 @@ class BatchDecoder:
         (by the batch's cost model) against a plain one. The length was
         chosen from each row's acceptance, which counts only the drafts a row
         made: a copy row finding no match drafts nothing, yet the pass is as
-        long as its longest row. Drafts of the head (their steps already
-        ran), of fixed-length rows and of a probe always pay; so do all
-        drafts in a pipeline, whose ranks each fit their own cost model and
-        would have to agree on every pass once more."""
-        lengths = self.lengths
+        long as its longest row. Drafts of the head (its steps are taken),
+        of fixed-length rows and of a probe always pay; so do all drafts in
+        a pipeline, whose ranks each fit their own cost model and would have
+        to agree on every pass once more."""
+        lengths, T = self.lengths, 1 + max(len(d) for d in drafts.values())
         pipelined = self.group is not None
-        if lengths is None or lengths.probing or len(self.rows) < 2 or pipelined:
+        if T == 1 or lengths is None or lengths.probing or pipelined:
             return True
-        tokens, T = 0.0, 1 + max(len(d) for d in drafts.values())
+        if len(self.rows) < 2:
+            return True  # alone, a pass is as long as its own draft
+        tokens = 0.0
         for b, draft in drafts.items():
             row = self.rows[b]
             if len(draft) and (row.policy is None or isinstance(draft, mx.array)):
@@ -278,7 +280,7 @@ class BatchDecoder:
             acceptance = row.policy.active.acceptance() if row.policy else []
             tokens += expected_tokens(acceptance, len(draft))
         B, cost = len(self.rows), lengths.cost
-        return T == 1 or tokens / cost(B, T) >= len(drafts) / cost(B, 1)
+        return tokens / cost(B, T) >= len(drafts) / cost(B, 1)
 
     def _commit_caches(self, kept: List[int], T: int):
         """Every row keeps ``kept[b]`` of the pass's ``T`` inputs (0: the row
