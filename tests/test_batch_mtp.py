@@ -7,6 +7,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_spec
+from mlx_spec.core import batch_mtp
 from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.batch_mtp import MTPBatch
 from mlx_spec.core.decode import SpeculativeDecoder
@@ -78,6 +79,34 @@ def test_each_row_drafts_what_it_drafts_alone(models, family, window, monkeypatc
         assert all(map(_equal, member.state, alone.state))
         assert member.draft(4) == alone.draft(4)
     assert batch.members == [] and all(c.keys is None for c in batch.caches)
+
+
+def test_a_member_runs_its_deferred_rows_only_at_the_bound(models, monkeypatch):
+    """A member not drafting keeps its accepted rows deferred until it holds
+    ``DEFERRED_ROWS`` of them; then the batch runs them anyway (what it holds
+    stays bounded), and a member drafting runs its own whatever it holds."""
+    monkeypatch.setattr(batch_mtp, "DEFERRED_ROWS", 6)
+    model, _ = models["qwen3_next"]
+    head = model.mtp_head
+    mx.random.seed(0)
+    members = [pair[1] for pair in _twins(head, random.Random(1))[1:3]]
+    batch = MTPBatch(head)
+    for m in members:
+        batch.join(m)
+    H = head.hidden_size
+    for emitted in ([1, 2], [3]):
+        for m in members:
+            m.accept(emitted, mx.random.normal((len(emitted), H)))
+    members[0].accept([7], mx.random.normal((1, H)))
+    assert [m.pending_rows for m in members] == [4, 3]
+    assert batch.catch_up([]) == 0  # below the bound: nothing runs
+    # a member about to draft runs its own (and members with no more rows)
+    assert batch.catch_up([members[1]]) > 0
+    assert [m.pending_rows for m in members] == [4, 0]
+    for m in members:
+        m.accept([4, 5], mx.random.normal((2, H)))
+    assert batch.catch_up([]) > 0  # the first member reached the bound
+    assert [m.pending_rows for m in members] == [0, 0]
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,13 @@ import mlx.core as mx
 from ..drafters.mtp import PENDING_ROWS, MTPDrafter
 from .ragged_cache import RaggedKVCache
 
+# A member's accepted rows deferred at most before the batch runs them anyway
+# (it runs them before the member's next head draft in any case). Higher than
+# one sequence's PENDING_ROWS: in a batch most rows often draft copies, and a
+# request that ends first never needs its last rows run (its kept state holds
+# them deferred); the hidden states held stay bounded.
+DEFERRED_ROWS = 512
+
 
 def head_drafter(drafter) -> Optional[MTPDrafter]:
     """The :class:`MTPDrafter` in ``drafter`` (itself, or ``mtp+ngram``'s)."""
@@ -96,14 +103,14 @@ class MTPBatch:
         """Run the deferred rows of ``mtps`` (members) in one forward, started
         on the device at once (the host does not wait: the drafts and the
         verify pass are built on top); the positions it computed (0: nothing
-        ran). A member with ``PENDING_ROWS`` deferred rows joins in anyway,
+        ran). A member with ``DEFERRED_ROWS`` deferred rows joins in anyway,
         which bounds what a member holds; so does any member with no more
         rows than the forward's length (its positions are computed anyway)."""
         needed = [
             b
             for b, m in enumerate(self.members)
             if m.pending_rows
-            and (any(m is x for x in mtps) or m.pending_rows >= PENDING_ROWS)
+            and (any(m is x for x in mtps) or m.pending_rows >= DEFERRED_ROWS)
         ]
         if not needed:
             return 0

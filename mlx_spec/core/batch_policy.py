@@ -18,7 +18,7 @@ rows the ``auto`` rows share draft lengths: ``k`` for the rows whose drafts cost
     sum over auto rows of E_b(k or k_h)  /  cost(B, 1 + max(k, k_h), k_h)
 
 (the catch-up is left out of the choice: the head runs it before its next
-draft whenever that is, and after ``PENDING_ROWS`` deferred rows anyway; in
+draft whenever that is, and after ``DEFERRED_ROWS`` deferred rows anyway; in
 the fit it keeps a probe after a long stretch without drafts, which catches
 up many rows, from making a head step look dear).
 ``E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` from each row's own acceptance
