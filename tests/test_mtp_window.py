@@ -7,7 +7,10 @@ import mlx_lm
 import pytest
 
 import mlx_spec
+from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.core.ragged_cache import RaggedKVCache
+from mlx_spec.core.sampling import make_sampler
+from mlx_spec.core.snapshot import capture
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.drafters import mtp as mtp_module
 from mlx_spec.drafters.combined import MTPNgramDrafter
@@ -201,19 +204,92 @@ def test_a_windowed_prefill_skips_the_rows_no_later_row_sees(models, monkeypatch
     assert calls == [6, 6]
     assert not mx.any(skipping.cache[0].keys[..., :24, :]).item()  # zeros
 
-    monkeypatch.setattr(MTPDrafter, "_skip_unseen", lambda d, bounds, dtype: bounds)
+    every_chunk = list(range(0, 37, 6))
+    monkeypatch.setattr(MTPDrafter, "_seen_chunks", lambda d, n: every_chunk)
     every, want_logits, want_draft = _prefilled(head, prompt, hidden)
     assert mx.array_equal(logits[0], want_logits[0]).item() and draft == want_draft
     assert logits[1] == want_logits[1] and logits[1][1] == 5
     for got, want in zip(skipping.cache, every.cache):
         assert mx.array_equal(got.keys[..., 30:36, :], want.keys[..., 30:36, :]).item()
 
-    def one_row_too_many(drafter, bounds, dtype):
-        skip = bounds[-2] + 1  # the last chunk's first row, which row 35 sees
-        drafter.head.blank_rows(drafter.cache, skip, dtype)
-        drafter.verified += skip
-        return [skip, bounds[-1]]
-
-    monkeypatch.setattr(MTPDrafter, "_skip_unseen", one_row_too_many)
+    # the last chunk's first row, which row 35 sees, blanked too
+    monkeypatch.setattr(MTPDrafter, "_seen_chunks", lambda d, n: [31, 36])
     _, short_logits, _ = _prefilled(head, prompt, hidden)
     assert not mx.array_equal(short_logits[0], want_logits[0]).item()
+
+
+def _head_of(drafter) -> MTPDrafter:
+    return drafter if isinstance(drafter, MTPDrafter) else drafter.mtp
+
+
+@pytest.mark.parametrize("make", [MTPDrafter, MTPNgramDrafter])
+def test_a_prompt_fed_in_chunks_reaches_the_drafter_in_one_piece(
+    models, make, monkeypatch
+):
+    """Fed in chunks with ``more``, a prompt reaches the drafter as one feed
+    of the whole: the windowed head runs only the last two chunks' rows, and
+    its cache, next logits and drafts are those of one feed. Negative
+    control: chunks whose rows run as they come run every row."""
+    model, _ = models["qwen3_next"]
+    head = model.mtp_head
+    monkeypatch.setattr(head, "attention_window", 6)
+    monkeypatch.setattr(mtp_module, "MIN_WINDOW_CHUNK", 4)
+    calls = []
+    rows = MTPDrafter._rows
+    monkeypatch.setattr(
+        MTPDrafter,
+        "_rows",
+        lambda d, t, *a, **k: calls.append(t.size) or rows(d, t, *a, **k),
+    )
+    prompt = [3 + (7 * i) % 50 for i in range(37)]  # 36 rows: two chunks run
+
+    def fed(chunk, more=True, limit=None):
+        """A decoder fed the prompt in chunks of ``chunk``, its head's rows
+        run; ``limit``: the head runs its rows once this many are deferred."""
+        decoder = SpeculativeDecoder(model, make(head), max_draft=3)
+        mtp = _head_of(decoder.drafter)
+        mtp.pending_limit = limit or mtp.pending_limit
+        for at in range(0, len(prompt), chunk):
+            last = at + chunk >= len(prompt)
+            decoder.feed(prompt[at : at + chunk], more=more and not last)
+        mtp.next_logits()
+        return decoder, mtp
+
+    given = []
+    reset = MTPDrafter.reset
+    monkeypatch.setattr(
+        MTPDrafter, "reset", lambda d, t, h: given.append(h) or reset(d, t, h)
+    )
+    whole, whole_head = fed(len(prompt))
+    assert calls == [6, 6]
+    # the rows it never reads come as zeros; the others are the target's
+    real = model.model(mx.array(prompt[:-1])[None])[0]
+    assert not mx.any(given[-1][:24]).item()
+    assert mx.array_equal(given[-1][24:], real[24:]).item()
+    calls.clear()
+    chunked, chunked_head = fed(8)
+    assert calls == [6, 6]
+    assert chunked.history == whole.history == prompt
+    assert mx.array_equal(chunked_head.next_logits(), whole_head.next_logits()).item()
+    for got, want in zip(chunked_head.cache, whole_head.cache):
+        assert mx.array_equal(got.keys[..., 30:36, :], want.keys[..., 30:36, :]).item()
+    assert chunked.drafter.draft(3) == whole.drafter.draft(3)
+
+    calls.clear()
+    fed(8, more=False, limit=1)  # each chunk's rows run as they come
+    assert sum(calls) == len(prompt) - 1
+
+
+def test_a_state_kept_mid_prompt_holds_the_drafters_rows(models):
+    """Capturing (or verifying) a decoder fed with ``more`` first hands the
+    drafter the rows it holds."""
+    model, _ = models["qwen3_next"]
+    decoder = SpeculativeDecoder(model, MTPDrafter(model.mtp_head), max_draft=3)
+    decoder.feed(list(range(3, 20)), more=True)
+    assert decoder.drafter.cache is None  # not reset yet: it holds them
+    state = capture(decoder, copy_caches=True, flush=False)
+    assert decoder.drafter.offset == 16 and state.drafter_arrays
+    decoder.feed(list(range(20, 30)), more=True)
+    emitted, _, _ = decoder.verify(2, make_sampler(0.0))
+    assert decoder.drafter.verified >= 16 + 10
+    decoder.commit(emitted)

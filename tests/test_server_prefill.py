@@ -3,6 +3,7 @@ kept where they part, and each answer exactly mlx-lm's."""
 
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.drafters import make_drafter
+from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.server.engine import Engine
 from mlx_spec.server.events import GenerationParams, Job, Started
 from mlx_spec.server.anthropic import messages_request
@@ -159,3 +160,34 @@ def test_a_job_cancelled_while_it_waits_never_starts(models):
     engine._prefill(engine._new_batch())  # the first joins; the second is dropped
     assert len(engine._live) == 1 and len(engine.prefills) == 0
     assert [type(e) for e in list(second.events.queue)] == []
+
+
+def test_the_drafter_gets_a_prompts_chunks_at_once_where_a_state_is_kept(
+    models, monkeypatch
+):
+    """A prompt prefilled in chunks reaches the drafter in one piece up to
+    each length where a state is kept, and at its end; the state kept holds
+    the drafter's rows. Fed chunk by chunk it would see 8 pieces."""
+    model, _ = models["qwen3_next"]
+    seen = []
+    for name in ("reset", "accept"):
+        own = getattr(MTPDrafter, name)
+        monkeypatch.setattr(
+            MTPDrafter,
+            name,
+            lambda d, t, h, own=own, name=name: seen.append((name, len(t)))
+            or own(d, t, h),
+        )
+    states = StateCache(1 << 30)
+    queue = PrefillQueue(states, chunk=8)
+    prompt = prompts("random", n=64, seed=6)
+    decoder = SpeculativeDecoder(model, make_drafter("mtp", model), max_draft=3)
+    job = Job(prompt, GenerationParams(4))
+    queue.join(Joining(job, "mtp", 3, decoder, prompt, True), shared_prefix=40)
+    admitted = []
+    while queue.joining:
+        queue.feed(8, admit=admitted.append)
+    assert seen == [("reset", 40), ("accept", 24)] and len(admitted) == 1
+    kept = states.lookup("mtp", prompt[:40] + [1])
+    assert kept.history == prompt[:40] and kept.drafter_arrays
+    assert kept.drafter_arrays[0].shape[2] == 39  # the head's rows up to there

@@ -118,6 +118,7 @@ class BatchDecoder:
             raise ValueError("the decoder has no pending token: feed it first")
         if self.free == 0:
             raise RuntimeError(f"all {self.n_slots} slots are in use")
+        decoder.update_drafter()
         self._unqueue()
         for mine, theirs in zip(self.caches, decoder.cache.caches):
             if isinstance(mine, RaggedKVCache):

@@ -52,6 +52,7 @@ class SpeculativeDecoder:
         self.processed = 0  # history[:processed] is in the target's caches
         self.last_hidden = None  # [1, H]: hidden of history[-1] once processed
         self.drafted, self.draft_seconds = 0, 0.0
+        self._held = []  # (tokens, hidden parts) fed, not yet given the drafter
         self._verified = None  # (drafted, accepted, hidden) until commit
         self._queued = None  # (logits, hidden) of a plain pass queued ahead
         # Whether the last pass's wall time is not one forward's: it queued
@@ -68,9 +69,14 @@ class SpeculativeDecoder:
     def pending(self) -> List[int]:
         return self.history[self.processed :]
 
-    def feed(self, tokens: List[int], progress=None):
+    def feed(self, tokens: List[int], progress=None, more: bool = False):
         """Append ``tokens`` (non-empty): the target prefills the pending token
-        and all new tokens but the last, which becomes pending."""
+        and all new tokens but the last, which becomes pending.
+
+        ``more``: the rest of the prompt follows (a prompt prefilled in
+        chunks): the drafter gets the chunks in one piece, as from one
+        ``feed`` of the whole (a windowed MTP head then skips the rows no
+        later row attends to), at the last chunk or when next needed."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise ValueError("cannot feed an empty list of tokens")
@@ -85,15 +91,30 @@ class SpeculativeDecoder:
             keep_hidden=keep,
         )
         if self.drafter is not None:
-            if not self.history:
-                self.drafter.reset(tokens, hidden)
-            else:  # row i: the hidden state of the token before tokens[i]
-                if not self.pending and keep:
-                    parts = [self.last_hidden] + ([] if hidden is None else [hidden])
-                    hidden = mx.concatenate(parts)
-                self.drafter.accept(tokens, hidden)
+            # row i: the hidden state of the token before tokens[i]
+            if self.history and not self.pending and keep:
+                hidden = [self.last_hidden] + (hidden or [])
+            self._held.append((tokens, hidden or []))
         self.history += tokens
         self.processed = len(self.history) - 1
+        if not more:
+            self.update_drafter()
+
+    def update_drafter(self):
+        """Hand the drafter the tokens fed with ``more`` that it has not seen,
+        in one piece (a ``reset`` when they are the whole history)."""
+        if not self._held:
+            return
+        tokens = [t for part, _ in self._held for t in part]
+        hidden = [h for _, parts in self._held for h in parts] or None
+        if hidden:
+            rows = sum(h.shape[0] for h in hidden)
+            hidden = _blank_first(hidden, rows - self.drafter.rows_read(rows))
+        self._held = []
+        if len(tokens) == len(self.history):
+            self.drafter.reset(tokens, hidden)
+        else:
+            self.drafter.accept(tokens, hidden)
 
     def flush(self):
         """Process the pending token: the caches then equal plain decoding's."""
@@ -130,6 +151,7 @@ class SpeculativeDecoder:
         """
         if not self.pending:
             raise ValueError("nothing to decode from: feed tokens first")
+        self.update_drafter()
         if self._verified is not None:
             raise RuntimeError("verify() called twice without commit()")
         clock = clock or PhaseClock(self.stats)
@@ -234,6 +256,21 @@ class SpeculativeDecoder:
         self.processed = len(self.history) - (kept == j)
         if kept > j and hidden is not None:
             self.last_hidden = hidden[kept - 1 : kept]
+
+
+def _blank_first(parts: List[mx.array], n: int) -> mx.array:
+    """``parts`` ([L_i, H], lazy) concatenated, the first ``n`` rows zeros:
+    a part wholly among them is never evaluated (in a prompt's prefill, the
+    last layer's MLP and the final norm of rows no drafter reads)."""
+    rows = []
+    for part in parts:
+        blank = min(n, part.shape[0])
+        n -= blank
+        if blank:
+            rows.append(mx.zeros((blank,) + part.shape[1:], part.dtype))
+        if blank < part.shape[0]:
+            rows.append(part[blank:])
+    return mx.concatenate(rows)
 
 
 def speculative_generate_step(

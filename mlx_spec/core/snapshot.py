@@ -73,6 +73,7 @@ def capture(decoder, copy_caches: bool = False, flush: bool = True) -> DecoderSt
 
     ``copy_caches``: the state must survive the decoder going on (the
     attention caches are written in place as decoding continues)."""
+    decoder.update_drafter()
     if flush:
         decoder.flush()
     else:

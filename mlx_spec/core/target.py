@@ -1,6 +1,6 @@
 """The target model seen by the decode loop: logits and post-norm hidden states."""
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -89,8 +89,10 @@ class Target:
         progress: Callable[[int], None],
         after_chunk: Callable[[], None],
         keep_hidden: bool = False,
-    ) -> Optional[mx.array]:
-        """Process ``tokens`` [N] in chunks as mlx-lm does; hidden: [N, H] or None."""
+    ) -> Optional[List[mx.array]]:
+        """Process ``tokens`` [N] in chunks as mlx-lm does; hidden: a list of
+        [n_i, H] per chunk (N rows in all; left lazy: their caller evaluates
+        the rows it reads) or None."""
         hidden = []
         done = 0
         while done < tokens.size:
@@ -99,8 +101,8 @@ class Target:
             after_chunk()
             if keep_hidden and h is not None:
                 hidden.append(h)
-            mx.eval([c.state for c in self.cache.caches] + hidden[-1:])
+            mx.eval([c.state for c in self.cache.caches])
             done += chunk.size
             progress(done)
             mx.clear_cache()
-        return mx.concatenate(hidden) if hidden else None
+        return hidden or None

@@ -94,6 +94,12 @@ class Drafter:
     def accept(self, tokens: Sequence[int], hidden: Optional[mx.array]):
         raise NotImplementedError
 
+    def rows_read(self, n: int) -> int:
+        """Of the hidden states of ``n`` rows given at once (a prompt), how
+        many, the last ones, it reads; the others may be anything. All by
+        default."""
+        return n
+
     def set_sampling(self, choose):
         """Deterministic drafts by default: the verifier treats q as one-hot."""
 

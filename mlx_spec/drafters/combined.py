@@ -81,6 +81,9 @@ class MTPNgramDrafter(Drafter):
     def catch_up(self):
         self.mtp.catch_up()
 
+    def rows_read(self, n: int) -> int:
+        return self.mtp.rows_read(n)
+
     def hindsight(self):
         judged = self.mtp.hindsight()
         copies = self.ngram.hindsight().get(None)

@@ -103,8 +103,14 @@ class MTPDrafter(Drafter):
         # Each pending entry is one pass's tokens: its first began the pass.
         starts = [i == 0 for t, _ in self._pending for i in range(t.size)]
         rows = self.take_pending()
-        if rows is not None:
-            self._rows(*rows, starts=starts)
+        if rows is None:
+            return
+        tokens, hidden = rows
+        bounds = self._chunks(tokens.size, hidden.dtype)
+        for start, stop in zip(bounds, bounds[1:]):
+            self._rows(tokens[start:stop], hidden[start:stop], starts[start:stop])
+            if len(bounds) > 2:  # a prompt's rows (a chat turn): evaluate as we go
+                mx.eval([c.state for c in self.cache], self._logits)
 
     def catch_up(self):
         """Process (and evaluate) the deferred rows now, so that timing a
@@ -198,13 +204,7 @@ class MTPDrafter(Drafter):
                 f"{len(prompt_tokens)} tokens (expected {n})"
             )
         tokens = mx.array(list(prompt_tokens[1:]), dtype=mx.uint32)
-        window = self.head.attention_window
-        chunk = PREFILL_CHUNK if window is None else max(window, MIN_WINDOW_CHUNK)
-        chunk = min(chunk, PREFILL_CHUNK)
-        # The shorter chunk first, so the last one holds the rows judged below.
-        bounds = [0] + list(range(n % chunk or chunk, n + 1, chunk))
-        if window is not None:
-            bounds = self._skip_unseen(bounds, hidden.dtype)
+        bounds = self._chunks(n, hidden.dtype)
         for start, stop in zip(bounds, bounds[1:]):
             hm = self._rows(tokens[start:stop], hidden[start:stop])
             # Every chunk now, the last too: the head's prefill is prompt
@@ -218,9 +218,21 @@ class MTPDrafter(Drafter):
             greedy = self.head.logits(hidden[stop - last + 1 : stop][None])
             self._judge(hm[:, -last:], mx.argmax(greedy, axis=-1)[0])
 
-    def _skip_unseen(self, bounds: List[int], dtype) -> List[int]:
-        """The prompt chunks (``bounds``) the prefill must run with an
-        attention window; the rows before them are written as zeros.
+    def _chunks(self, n: int, dtype) -> List[int]:
+        """The bounds of the chunks ``n`` new rows run in (see
+        :meth:`_seen_chunks`); the rows before the first are written as
+        zeros (no later row attends to them)."""
+        bounds = self._seen_chunks(n)
+        if bounds[0]:
+            self.head.blank_rows(self.cache, bounds[0], dtype)
+            self.verified += bounds[0]
+        return bounds
+
+    def _seen_chunks(self, n: int) -> List[int]:
+        """The bounds of the chunks that ``n`` new rows run in (one chunk
+        when they fit), the shorter first so that the last one holds the rows
+        judged in hindsight; with an attention window, only the chunks some
+        later row attends to.
 
         Later rows see only the last ``window`` positions, all in the last
         chunk (a chunk is at least the window), where the rows judged in
@@ -229,13 +241,19 @@ class MTPDrafter(Drafter):
         ``layers + 1`` chunks run, exactly as in a full prefill (same rows,
         same shapes): the last chunk's cache rows, logits and judgments are
         bit-identical. The rows before them are never attended to again."""
+        window = self.head.attention_window
+        chunk = PREFILL_CHUNK if window is None else max(window, MIN_WINDOW_CHUNK)
+        chunk = min(chunk, PREFILL_CHUNK)
+        bounds = [0] + list(range(n % chunk or chunk, n + 1, chunk))
         keep = len(self.head.layers) + 1  # chunks that must run
-        if len(bounds) <= keep + 1:
+        if window is None or len(bounds) <= keep + 1:
             return bounds
-        bounds = bounds[-(keep + 1) :]
-        self.head.blank_rows(self.cache, bounds[0], dtype)
-        self.verified += bounds[0]
-        return bounds
+        return bounds[-(keep + 1) :]
+
+    def rows_read(self, n: int) -> int:
+        """Of ``n`` rows given at once (a prompt), how many (the last ones)
+        the head reads the hidden states of."""
+        return n - self._seen_chunks(n)[0]
 
     @property
     def state(self) -> List[mx.array]:

@@ -115,8 +115,8 @@ class PrefillQueue:
             if j.todo and n == 0:
                 break  # the budget is spent
             try:
-                if n:
-                    j.decoder.feed(j.todo[:n])
+                if n:  # the drafter sees the tokens up to ``stop`` at once
+                    j.decoder.feed(j.todo[:n], more=j.fed + n < stop)
                     j.todo, budget = j.todo[n:], budget - n
                 if j.fed in j.marks:
                     j.marks.discard(j.fed)
