@@ -14,6 +14,8 @@ ROW_KEYS = {
     "plain_tps": float,
     "tps": float,
     "speedup": float,
+    "plain_prompt_tps": float,
+    "prompt_tps": float,
     "acceptance_per_position": list,
     "tokens_per_pass": float,
     "phase_ms_per_pass": dict,
@@ -75,6 +77,7 @@ def test_bench_json_schema(checkpoint_dirs, tmp_path, capsys):
             "commit",
         }
         assert row["tps"] > 0 and row["plain_tps"] > 0
+        assert row["prompt_tps"] > 0 and row["plain_prompt_tps"] > 0
         assert row["host_cpu_ms_per_pass"] > 0 and row["plain_host_cpu_ms_per_step"] > 0
 
 

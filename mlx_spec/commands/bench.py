@@ -7,6 +7,10 @@ gives the time split, and the measured verify-cost profile turns the measured
 acceptance into an ideal speedup, so achieved/ideal shows what the machinery
 itself costs.
 
+``prompt``: the setting's prompt tokens/s over plain decoding's (its
+drafter's own prefill included: the MTP head's rows and the target's hidden
+states they read).
+
 Host cost per pass (ms), three ways. ``phases``: the wall time of the timed
 run's phases besides drafting and the forward (the loop's bookkeeping,
 sampling and rollback, each evaluated before the clock is read, so it holds
@@ -158,6 +162,7 @@ def _run_plain(model, tok, prompt, max_tokens):
     steps = max(last.generation_tokens - 1, 1)
     return {
         "tps": last.generation_tps,
+        "prompt_tps": last.prompt_tps,
         "host_s_per_step": host / steps,
         "tokens": tokens,
     }
@@ -180,6 +185,7 @@ def _run_spec(model, tok, prompt, max_tokens, draft, k, timing=False):
     return {
         "tokens": tokens,
         "tps": last.generation_tps,
+        "prompt_tps": last.prompt_tps,  # the drafter's prefill included
         # the first pass ran before the first response
         "host_s_per_step": host / max(stats.verify_passes - 1, 1),
         "peak_memory_gb": last.peak_memory,
@@ -214,6 +220,8 @@ def first_difference(plain_runs, spec_runs) -> Optional[int]:
 def summarise(name, kind, plain_runs, spec_runs, timed, costs) -> dict:
     plain_tps = statistics.median(r["tps"] for r in plain_runs)
     tps = statistics.median(r["tps"] for r in spec_runs)
+    plain_prompt_tps = statistics.median(r["prompt_tps"] for r in plain_runs)
+    prompt_tps = statistics.median(r["prompt_tps"] for r in spec_runs)
     host = statistics.median(1e3 * r["host_s_per_step"] for r in spec_runs)
     plain_host = statistics.median(1e3 * r["host_s_per_step"] for r in plain_runs)
     stats = timed["stats"]
@@ -232,6 +240,8 @@ def summarise(name, kind, plain_runs, spec_runs, timed, costs) -> dict:
         "plain_tps": plain_tps,
         "tps": tps,
         "speedup": speedup,
+        "plain_prompt_tps": plain_prompt_tps,
+        "prompt_tps": prompt_tps,
         "acceptance_per_position": stats.acceptance_per_position,
         "tokens_per_pass": stats.tokens_per_pass,
         "phase_ms_per_pass": ph,

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 def format_table(results: List[dict]) -> str:
     head = (
         f"{'workload':<14} {'draft':<10} {'k':>4} {'plain':>7} {'spec':>7} "
-        f"{'speedup':>7} {'tok/pass':>8} {'ideal':>6} {'ach/id':>6} "
+        f"{'speedup':>7} {'prompt':>6} {'tok/pass':>8} {'ideal':>6} {'ach/id':>6} "
         f"{'phases':>6} {'work':>5} {'cpu':>5} {'plain cpu':>9} {'tokens':>7} "
         f"{'acceptance per position'}"
     )
@@ -17,6 +17,7 @@ def format_table(results: List[dict]) -> str:
         lines.append(
             f"{r['workload']:<14} {r['draft']:<10} {str(r['num_draft_tokens']):>4} "
             f"{r['plain_tps']:>7.1f} {r['tps']:>7.1f} {r['speedup']:>6.2f}x "
+            f"{r['prompt_tps'] / r['plain_prompt_tps']:>5.2f}x "
             f"{r['tokens_per_pass']:>8.2f} {r['ideal_speedup']:>5.2f}x "
             f"{r['achieved_over_ideal']:>6.2f} {r['host_overhead_ms_per_pass']:>6.2f} "
             f"{r['host_work_ms_per_pass']:>5.2f} {r['host_cpu_ms_per_pass']:>5.2f} "
