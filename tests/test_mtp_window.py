@@ -170,6 +170,22 @@ def test_a_prompt_prefilled_in_chunks_leaves_the_head_as_one_forward(
     assert mx.allclose(drafter.next_logits(), fresh, atol=1e-4).item()
 
 
+def _windowed_counting_rows(model, monkeypatch):
+    """The model's head with a window of 6 (chunks of 6), and the list that
+    records how many rows each head forward over verified rows runs."""
+    head = model.mtp_head
+    monkeypatch.setattr(head, "attention_window", 6)
+    monkeypatch.setattr(mtp_module, "MIN_WINDOW_CHUNK", 4)
+    calls = []
+    rows = MTPDrafter._rows
+    monkeypatch.setattr(
+        MTPDrafter,
+        "_rows",
+        lambda d, t, *a, **k: calls.append(t.size) or rows(d, t, *a, **k),
+    )
+    return head, calls
+
+
 def _prefilled(head, prompt, hidden):
     drafter = MTPDrafter(head)
     drafter.hindsight()  # judge the prompt's last rows, as auto does
@@ -187,19 +203,10 @@ def test_a_windowed_prefill_skips_the_rows_no_later_row_sees(models, monkeypatch
     bit those of running every chunk. Negative control: blanking one row more,
     the first the last row attends to, changes the logits."""
     model, _ = models["qwen3_next"]
-    head = model.mtp_head
-    monkeypatch.setattr(head, "attention_window", 6)
-    monkeypatch.setattr(mtp_module, "MIN_WINDOW_CHUNK", 4)
+    head, calls = _windowed_counting_rows(model, monkeypatch)
     mx.random.seed(5)
     prompt = list(range(3, 40))  # 36 rows: chunks 6 * 6, two of them run
     hidden = mx.random.normal((len(prompt) - 1, head.hidden_size))
-    calls = []
-    rows = MTPDrafter._rows
-    monkeypatch.setattr(
-        MTPDrafter,
-        "_rows",
-        lambda d, t, *a, **k: calls.append(t.size) or rows(d, t, *a, **k),
-    )
     skipping, logits, draft = _prefilled(head, prompt, hidden)
     assert calls == [6, 6]
     assert not mx.any(skipping.cache[0].keys[..., :24, :]).item()  # zeros
@@ -231,16 +238,7 @@ def test_a_prompt_fed_in_chunks_reaches_the_drafter_in_one_piece(
     its cache, next logits and drafts are those of one feed. Negative
     control: chunks whose rows run as they come run every row."""
     model, _ = models["qwen3_next"]
-    head = model.mtp_head
-    monkeypatch.setattr(head, "attention_window", 6)
-    monkeypatch.setattr(mtp_module, "MIN_WINDOW_CHUNK", 4)
-    calls = []
-    rows = MTPDrafter._rows
-    monkeypatch.setattr(
-        MTPDrafter,
-        "_rows",
-        lambda d, t, *a, **k: calls.append(t.size) or rows(d, t, *a, **k),
-    )
+    head, calls = _windowed_counting_rows(model, monkeypatch)
     prompt = [3 + (7 * i) % 50 for i in range(37)]  # 36 rows: two chunks run
 
     def fed(chunk, more=True, limit=None):
