@@ -1,13 +1,16 @@
 """The shared draft length of a batch's auto rows and its pass-cost model."""
 
 import math
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
 
 import mlx_spec.core.policy as policy
-from mlx_spec.core.batch_policy import PassLength
+from mlx_spec.core.batch_policy import PassLength, _catch_up
 from mlx_spec.core.policy import PROBE_EVERY
+from mlx_spec.drafters.mtp import MTPDrafter
+from mlx_spec.drafters.ngram import NgramDrafter
 
 # A single-sequence profile: 5 ms plus 1 ms per token verified (T = 1..9).
 PROFILE = [0.005 + 0.001 * T for T in range(1, 10)]
@@ -115,6 +118,38 @@ def test_a_head_step_is_not_charged_with_the_catch_up_before_it():
     assert step == pytest.approx(0.005, rel=0.1)
 
 
+def _fitted_with_catch_ups() -> PassLength:
+    """Four rows, passes of 12 ms + 2 ms per position + 1 ms a head step +
+    0.1 ms per position the head catches up."""
+    policy = PassLength(PROFILE)
+    for i in range(300):
+        S = i % 3
+        C = (64 * (1 + i % 4) if i % 5 == 0 else 8) if S else 0
+        T = 1 + max(S, i % 2)
+        policy.observe(4, T, 0.012 + 0.002 * 4 * T + 0.001 * S + 1e-4 * C, S, C)
+    return policy
+
+
+def test_a_head_draft_pays_for_the_catch_up_it_runs():
+    """Four rows drafting with the head (acceptance 0.7): caught up, a draft
+    pays; when the catch-up before it would run 4 x 100 positions (its rows
+    deferred over a stretch without head drafts: a finished request keeps
+    them unrun) it does not, and the rows decode plainly. The copy rows'
+    choice is not charged with it."""
+    heads = [([0.7] * 8, 8)] * 2
+    _, k_head = _fitted_with_catch_ups().choose(4, [], head=heads * 2)
+    assert k_head >= 1
+    _, k_head = _fitted_with_catch_ups().choose(
+        4, [], head=heads * 2, head_catch_up=400
+    )
+    assert k_head == 0
+    copies = [([0.95] * 8, 8)] * 2
+    k, k_head = _fitted_with_catch_ups().choose(
+        4, copies, head=heads, head_catch_up=400
+    )
+    assert k >= 1 and k_head == 0
+
+
 @pytest.mark.parametrize("bound", [policy.STALL_BOUND, math.inf])
 def test_two_stalled_passes_do_not_reshape_the_cost(monkeypatch, bound):
     """Four rows at T = 1..3 costing 4 ms + 2 ms per position, then two
@@ -135,3 +170,19 @@ def test_two_stalled_passes_do_not_reshape_the_cost(monkeypatch, bound):
     for i in range(60):
         length.observe(4, 1 + i % 3, 2 * (0.004 + 0.008 * (1 + i % 3)))
     assert length.cost(4, 2) == pytest.approx(2 * 0.02, rel=0.05)
+
+
+def test_the_catch_up_counts_every_member_padded_to_the_longest():
+    """The head's catch-up forward runs every member head's row, padded to
+    the longest deferred rows of those about to draft (what it computes)."""
+
+    def row(drafter, deferred=0):
+        if deferred:
+            drafter.accept(list(range(deferred)), mx.zeros((deferred, 4)))
+        return SimpleNamespace(decoder=SimpleNamespace(drafter=drafter))
+
+    heads = [MTPDrafter(head=None) for _ in range(3)]
+    rows = [row(heads[0], 5), row(NgramDrafter()), row(heads[1], 2), row(heads[2])]
+    assert _catch_up(rows, [0, 2]) == 3 * 5
+    assert _catch_up(rows, [2]) == 3 * 2
+    assert _catch_up(rows, [3]) == _catch_up(rows, []) == 0

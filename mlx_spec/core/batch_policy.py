@@ -15,12 +15,13 @@ every row pay, which a row's own profile undercounts. So with two or more
 rows the ``auto`` rows share draft lengths: ``k`` for the rows whose drafts cost nothing to make
 (copies), ``k_h`` for the rows drafting with the head, the pair maximising
 
-    sum over auto rows of E_b(k or k_h)  /  cost(B, 1 + max(k, k_h), k_h)
+    sum over auto rows of E_b(k or k_h)  /  cost(B, 1 + max(k, k_h), k_h, C)
 
-(the catch-up is left out of the choice: the head runs it before its next
-draft whenever that is, and after ``DEFERRED_ROWS`` deferred rows anyway; in
-the fit it keeps a probe after a long stretch without drafts, which catches
-up many rows, from making a head step look dear).
+(``C``: the catch-up the head rows' drafts run, 0 when ``k_h = 0``. Their
+deferred rows need not run otherwise: a request that ends keeps them unrun
+in its state. In the fit, ``delta`` keeps a probe after a long stretch
+without drafts, which catches up many rows, from making a head step look
+dear).
 ``E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` from each row's own acceptance
 estimates (its :class:`~mlx_spec.core.policy.DraftLengthPolicy`, which keeps
 learning from the row's passes). The cost starts from the single-sequence
@@ -128,13 +129,16 @@ class PassLength:
         others: float = 0.0,
         head: List[Tuple[Sequence[float], int]] = (),
         head_fixed: int = 0,
+        head_catch_up: int = 0,
     ) -> Tuple[int, int]:
         """The draft lengths ``(k, k_h)`` of the auto rows drafting copies
         (``auto``) and with the MTP head (``head``), each row given as
         (acceptance, most drafts it may make); ``rows``: rows the pass
         computes; ``fixed``: the longest draft of the other rows (the pass
         computes at least ``1 + fixed`` positions); ``others``: their
-        expected tokens; ``head_fixed``: the head steps they run."""
+        expected tokens; ``head_fixed``: the head steps they run;
+        ``head_catch_up``: the positions of the catch-up the head rows'
+        drafts would run (their deferred rows, padded to the longest)."""
         limit = max((cap for _, cap in auto), default=0)
         head_limit = max((cap for _, cap in head), default=0)
 
@@ -148,7 +152,8 @@ class PassLength:
             k, kh = ks
             tokens = others + copies[k] + heads[kh]
             T = 1 + max(k, kh, fixed)
-            return tokens / self.cost(rows, T, max(kh, head_fixed))
+            catch_up = head_catch_up if kh else 0
+            return tokens / self.cost(rows, T, max(kh, head_fixed), catch_up)
 
         pairs = [(k, kh) for k in range(limit + 1) for kh in range(head_limit + 1)]
         k, kh = max(pairs, key=speed)
@@ -218,9 +223,19 @@ def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int
             float(len(ks)),  # rows not auto: one token each, at least
             group(True),
             max((ks[b] for b in heads if b in ks), default=0),
+            _catch_up(rows, [b for b in auto if b in heads]),
         )
         ks.update({b: min(k_head if b in heads else k, caps[b]) for b in auto})
     longest = max(ks.values())
     return {
         b: k if b in heads else max(k, min(longest, caps[b])) for b, k in ks.items()
     }
+
+
+def _catch_up(rows, drafting: List[int]) -> int:
+    """Positions of the catch-up that runs before the head rows ``drafting``
+    draft: every member head's row, padded to the longest of their deferred
+    rows (see :meth:`~mlx_spec.core.batch_mtp.MTPBatch.catch_up`)."""
+    heads = [head_drafter(row.decoder.drafter) for row in rows]
+    members = sum(h is not None for h in heads)
+    return members * max((heads[b].pending_rows for b in drafting), default=0)
