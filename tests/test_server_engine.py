@@ -62,9 +62,10 @@ def test_a_longer_prompt_continues_the_kept_state_exactly(engine, models):
 
 def test_kept_states_leave_their_last_token_pending(models, family):
     """A request that ends keeps its state without a forward (its last token
-    pending). A prompt equal to that history continues it with nothing to
-    prefill; a longer one feeds the pending token with its own. Both equal
-    mlx-lm's decoding of the whole prompt."""
+    pending, and its MTP head's last rows deferred). A prompt equal to that
+    history continues it with nothing to prefill; a longer one feeds the
+    pending token with its own. Both equal mlx-lm's decoding of the whole
+    prompt."""
     model, tok = models[family]
     eos, tok.eos_token_ids = tok.eos_token_ids, set()  # run the full lengths
     engine = Engine(model, tok, "mtp+ngram", num_draft_tokens=3)
@@ -75,6 +76,7 @@ def test_kept_states_leave_their_last_token_pending(models, family):
         assert kept.history == history and kept.pending == 1
         offsets = {c.offset for c in kept.caches if hasattr(c, "keys")}
         assert offsets == {len(history) - 1}  # the last token was not run
+        assert kept.drafter_deferred  # nor the head's last rows
         for prompt in (history, history + [5, 6]):
             events = run(engine, prompt, max_tokens=8)
             started = next(e for e in events if isinstance(e, Started))

@@ -38,9 +38,8 @@ from .ragged_cache import RaggedKVCache
 # A member's accepted rows deferred at most before the batch runs them anyway
 # (it runs them before the member's next head draft in any case). Higher than
 # one sequence's PENDING_ROWS: in a batch most rows often draft copies, and a
-# request that ends first runs its last rows alone, once, when its state is
-# kept (the server), not padded to the rows of a batch forward; the hidden
-# states held stay bounded.
+# request that ends keeps its last rows unrun in its state (the server); the
+# hidden states held stay bounded.
 DEFERRED_ROWS = 512
 
 

@@ -5,12 +5,15 @@ By default the pending token is processed first, so the target caches hold
 every token of the history (what plain decoding's prompt cache would hold).
 The server keeps its states with the last token still pending instead: a
 state may never be continued, and one that is processes that token with the
-next prompt's tokens, in the same forward. The drafter contributes its own
-arrays (``Drafter.state``) and rebuilds from them with ``Drafter.restore``.
+next prompt's tokens, in the same forward. So too the drafter's deferred
+work (the MTP head's accepted rows not yet run): a state kept in memory
+carries it (``Drafter.take_deferred``), to be run when a continuation first
+drafts with the head. The drafter contributes its own arrays
+(``Drafter.state``) and rebuilds from them with ``Drafter.restore``.
 """
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 import mlx.core as mx
@@ -26,11 +29,13 @@ class DecoderState:
     drafter: str  # the drafter's name ("none" without one)
     drafter_arrays: List[mx.array]
     pending: int = 0  # last tokens of history not in the caches (0 or 1)
+    drafter_deferred: list = field(default_factory=list)  # its work not yet run
 
     @property
     def nbytes(self) -> int:
         arrays = [a for c in self.caches for a in _arrays(c.state)]
         arrays += [a for a in self.drafter_arrays if a is not None]
+        arrays += list(_arrays(self.drafter_deferred))
         if self.last_hidden is not None:
             arrays.append(self.last_hidden)
         return sum(a.nbytes for a in arrays)
@@ -67,9 +72,9 @@ def drafter_name(drafter) -> str:
 
 
 def capture(decoder, copy_caches: bool = False, flush: bool = True) -> DecoderState:
-    """The state of ``decoder`` after processing its pending token, or with
-    it still pending (``flush=False``: no forward now; at most one token may
-    be pending).
+    """The state of ``decoder`` after processing its pending token and its
+    drafter's deferred work, or with both still pending (``flush=False``: no
+    forward now; at most one token may be pending).
 
     ``copy_caches``: the state must survive the decoder going on (the
     attention caches are written in place as decoding continues)."""
@@ -83,9 +88,12 @@ def capture(decoder, copy_caches: bool = False, flush: bool = True) -> DecoderSt
                 f"{len(decoder.pending)} tokens are pending; at most one can be kept"
             )
     drafter = decoder.drafter
+    deferred = [] if drafter is None or flush else drafter.take_deferred()
     arrays = [] if drafter is None else list(drafter.state)
+    if deferred:
+        drafter.put_deferred(deferred)  # the decoder may go on
     caches = list(decoder.cache.caches)
-    mx.eval([c.state for c in caches], arrays)
+    mx.eval([c.state for c in caches], arrays, deferred)
     if copy_caches:
         caches = [copy_cache(c) for c in caches]
     pending = len(decoder.pending)
@@ -96,6 +104,7 @@ def capture(decoder, copy_caches: bool = False, flush: bool = True) -> DecoderSt
         drafter_name(drafter),
         arrays,
         pending,
+        deferred,
     )
 
 
@@ -121,3 +130,4 @@ def restore(decoder, state: DecoderState, copy_caches: bool = False):
     decoder.last_hidden = state.last_hidden
     if decoder.drafter is not None:
         decoder.drafter.restore(decoder.history, state.drafter_arrays)
+        decoder.drafter.put_deferred(state.drafter_deferred)

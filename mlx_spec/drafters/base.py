@@ -35,7 +35,9 @@ required; the rest have defaults that a simple drafter never touches:
 - ``catch_up()``: deferred work (e.g. head forwards over accepted rows) done
   now, so that timing the next ``draft`` measures drafting alone.
 - ``state`` / ``restore(history, arrays)``: arrays saved with a chat session
-  and how to rebuild from them.
+  and how to rebuild from them (``state`` runs deferred work first).
+- ``take_deferred()`` / ``put_deferred(rows)``: deferred work handed over and
+  back, so that a state kept in memory carries it instead of running it.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -76,6 +78,15 @@ class OneDraftWalk:
         """(hits, trials) counted since the last call."""
         counts, self.hits, self.trials = (self.hits, self.trials), 0, 0
         return counts
+
+
+def as_list(drafter, tokens) -> List[int]:
+    """``drafter``'s draft from its ``draft_tokens`` as a list: a lazy one
+    evaluated together with the logits and q it came with."""
+    if isinstance(tokens, list):
+        return tokens
+    mx.eval(tokens, drafter.last_draft_logits, drafter.draft_probs)
+    return tokens.tolist()
 
 
 class Drafter:
@@ -121,6 +132,16 @@ class Drafter:
     @property
     def state(self) -> List[mx.array]:
         return []
+
+    def take_deferred(self) -> list:
+        """The deferred work, handed over (the drafter no longer holds it);
+        none by default."""
+        return []
+
+    def put_deferred(self, rows: list):
+        """Hold ``rows`` (from :meth:`take_deferred`) as deferred work again."""
+        if rows:
+            raise ValueError(f"drafter {self.name!r} defers no work")
 
     def restore(self, history: Sequence[int], arrays: Sequence[mx.array]):
         raise NotImplementedError(f"drafter {self.name!r} cannot restore a session")

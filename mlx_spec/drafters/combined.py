@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .base import Drafter
+from .base import Drafter, as_list
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
 
@@ -97,6 +97,12 @@ class MTPNgramDrafter(Drafter):
     def state(self) -> List[mx.array]:
         return self.mtp.state  # the n-gram index follows the history
 
+    def take_deferred(self) -> list:
+        return self.mtp.take_deferred()
+
+    def put_deferred(self, rows: list):
+        self.mtp.put_deferred(rows)
+
     def restore(self, history: Sequence[int], arrays: Sequence[mx.array]):
         self.mtp.restore(history, arrays)
         self.ngram.restore(history)
@@ -158,11 +164,7 @@ class MTPNgramDrafter(Drafter):
         return self.learns_choice and not self.mtp.samples
 
     def draft(self, k: int) -> List[int]:
-        tokens = self.draft_tokens(k)
-        if isinstance(tokens, list):
-            return tokens
-        mx.eval(tokens, self.mtp.last_draft_logits, self.mtp.draft_probs)
-        return tokens.tolist()
+        return as_list(self, self.draft_tokens(k))
 
     def draft_tokens(self, k: int):
         """A copy (a list), or the head's draft as a lazy array (see

@@ -26,11 +26,12 @@ pass are judged, walked as one-draft passes would have started
 accepted drafts, so judging them would count mostly easy positions.
 """
 
+from itertools import accumulate
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .base import MAX_MTP_DRAFT_TOKENS, Drafter, OneDraftWalk
+from .base import MAX_MTP_DRAFT_TOKENS, Drafter, OneDraftWalk, as_list
 
 PREFILL_CHUNK = 2048  # prompt rows per head forward (full attention)
 # With an attention window, chunks of the window's size (not below this):
@@ -164,8 +165,7 @@ class MTPDrafter(Drafter):
             self._count_judged()
 
     def _count_judged(self):
-        """Walk the rows judged so far (each batch's last row, judged by
-        none, parts them)."""
+        """Walk the rows judged so far (a batch's last row, unjudged, parts them)."""
         for hits, starts in self._judged:
             for i, hit in enumerate(hits.tolist()):
                 self._walk.see(hit, starts is None or starts[i])
@@ -280,11 +280,7 @@ class MTPDrafter(Drafter):
 
     def draft(self, k: int) -> List[int]:
         """Up to ``k`` (1..8) greedy tokens after the pending token."""
-        tokens = self.draft_tokens(k)
-        if isinstance(tokens, list):
-            return tokens
-        mx.eval(tokens, self.last_draft_logits, self.draft_probs)
-        return tokens.tolist()
+        return as_list(self, self.draft_tokens(k))
 
     def draft_tokens(self, k: int):
         """:meth:`draft` without a host synchronisation: the tokens [k] as a
@@ -372,6 +368,16 @@ class MTPDrafter(Drafter):
         tokens, hidden = zip(*self._pending)
         self._pending = []
         return mx.concatenate(tokens), mx.concatenate(hidden)
+
+    def take_deferred(self) -> List[Tuple[mx.array, mx.array]]:
+        """The deferred rows handed over unrun: (tokens [L], hidden [L, H])
+        per pass, copied out of the pass outputs they are slices of."""
+        rows, self._pending = self._pending, []
+        at = list(accumulate(t.size for t, _ in rows))[:-1]
+        return list(zip(*(mx.split(mx.concatenate(x), at) for x in zip(*rows))))
+
+    def put_deferred(self, rows: List[Tuple[mx.array, mx.array]]):
+        self._pending += list(rows)  # after any deferred now
 
     def set_last_row(self, hm: mx.array, logits: mx.array, rows: int):
         """``rows`` verified rows were run elsewhere; hm [1, 1, H] and logits
