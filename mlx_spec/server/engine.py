@@ -61,30 +61,31 @@ class _Output:
         self.n, self.reason, self.tic = 0, None, time.perf_counter()
 
     def emit(self, tokens: List[int], logprobs: mx.array):
-        """Send the events of a pass's tokens; sets ``reason`` once done."""
-        p, events = self.job.params, self.job.events
+        """Send the events of a pass's tokens, as one item; sets ``reason``
+        once done."""
+        p, events = self.job.params, []
         chosen = [None] * len(tokens)
         if p.logprobs:  # a sync: it would also wait for a pass queued ahead
             chosen = logprobs[mx.arange(len(tokens)), mx.array(tokens)].tolist()
         for i, token in enumerate(tokens):
             self.n += 1
-            events.put(Token(token, chosen[i], _top(logprobs[i], p.top_logprobs)))
+            events.append(Token(token, chosen[i], _top(logprobs[i], p.top_logprobs)))
             eos = token in self.tokenizer.eos_token_ids
             if not eos:
                 self.detokenizer.add_token(token)
             length = self.n >= p.max_tokens
             if eos or length:
                 self.detokenizer.finalize()
-            for event in self.router.feed(self.detokenizer.last_segment, eos, length):
-                events.put(event)
+            events += self.router.feed(self.detokenizer.last_segment, eos, length)
             if eos or self.router.stopped:
                 self.reason = "stop"
             elif length:
                 self.reason = "length"
             if self.reason:
-                return
-        if self.job.cancelled:
+                break
+        if self.job.cancelled and not self.reason:
             self.reason = "cancelled"
+        self.job.put(*events)
 
     def finish(self, stats: SpecStats):
         reason = self.reason or "cancelled"
@@ -97,7 +98,7 @@ class _Output:
             "verify_passes": stats.verify_passes,
             "seconds": round(time.perf_counter() - self.tic, 6),
         }
-        self.job.events.put(Finished(reason, self.n, speculation))
+        self.job.put(Finished(reason, self.n, speculation))
 
 
 def _top(logprobs: mx.array, n: int) -> List[tuple]:
@@ -227,7 +228,7 @@ class Engine:
                 except Exception as e:  # every request in the batch fails, cleanly
                     log.exception("verify pass failed")
                     for output in self._live.values():
-                        output.job.events.put(e)
+                        output.job.put(e)
                     self._live.clear()
                     batch = self._new_batch()
 
@@ -267,12 +268,12 @@ class Engine:
                 restore(decoder, state, copy_caches=True)
                 new = job.prompt[len(state.history) :]
                 cached = len(state.history) - state.pending
-            job.events.put(Started(len(job.prompt), cached))
+            job.put(Started(len(job.prompt), cached))
             j = Joining(job, draft, num_draft_tokens, decoder, new, len(new) > 1)
             self.prefills.join(j, p.shared_prefix)
         except Exception as e:  # reported to its client; the others go on
             log.exception("request failed")
-            job.events.put(e)
+            job.put(e)
 
     def _prefill(self, batch: BatchDecoder):
         """Feed the joining prompts: ``prefill_chunk`` tokens in all while

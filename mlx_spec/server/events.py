@@ -69,10 +69,22 @@ class Finished:
 
 
 class Job:
+    """A request as the engine sees it. Its events reach the HTTP side in
+    lists (:meth:`put`, :meth:`get`): a pass's tokens and text as one item,
+    so the thread streaming them wakes once a pass, not once a token."""
+
     def __init__(self, prompt: List[int], params: GenerationParams, initial="normal"):
         self.prompt, self.params, self.initial_state = prompt, params, initial
         self.events: "queue.Queue" = queue.Queue()
         self._cancelled = threading.Event()
+
+    def put(self, *events):
+        """Hand over ``events`` (an exception: the job failed) as one item."""
+        self.events.put(list(events))
+
+    def get(self, timeout: float) -> list:
+        """The next events handed over; ``queue.Empty`` after ``timeout`` seconds."""
+        return self.events.get(timeout=timeout)
 
     def cancel(self):
         self._cancelled.set()

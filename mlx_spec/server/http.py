@@ -106,24 +106,31 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError("the body must be a JSON object")
         return body
 
-    def _events(self, job: Job, alive: Callable[[], bool]) -> Iterator:
-        """The job's events until ``Finished``; cancels it when ``alive()``
-        turns false (then keeps draining until the engine lets go)."""
+    def _batches(self, job: Job, alive: Callable[[], bool]) -> Iterator[list]:
+        """The job's events, as handed over (a pass's together), until
+        ``Finished``; cancels it when ``alive()`` turns false (then keeps
+        draining until the engine lets go)."""
         engine = self.server.engine
         while True:
             try:
-                event = job.events.get(timeout=POLL_SECONDS)
+                events = job.get(POLL_SECONDS)
             except queue.Empty:
                 if not engine.healthy:
                     raise RuntimeError("the generation worker has stopped") from None
                 if not job.cancelled and not alive():
                     job.cancel()
                 continue
-            if isinstance(event, Exception):
-                raise event
-            yield event
-            if isinstance(event, Finished):
+            for event in events:
+                if isinstance(event, Exception):
+                    raise event
+            yield events
+            if any(isinstance(event, Finished) for event in events):
                 return
+
+    def _events(self, job: Job, alive: Callable[[], bool]) -> Iterator:
+        """The job's events one by one (see :meth:`_batches`)."""
+        for events in self._batches(job, alive):
+            yield from events
 
     # -- routes --------------------------------------------------------------
     def do_GET(self):
@@ -183,15 +190,12 @@ class Handler(BaseHTTPRequestHandler):
     def _stream(self, job, response, include_usage):
         started = False
         try:
-            for event in self._events(job, lambda: True):
-                delta = response.add(event)
+            for events in self._batches(job, lambda: True):
                 if not started:  # headers once the prompt is accepted
                     self._start_stream()
                     started = True
-                if isinstance(event, Finished):
-                    self._sse(response.chunk(None, final=True))
-                elif delta is not None:
-                    self._sse(response.chunk(delta))
+                for chunk in response.stream(events):
+                    self._sse(chunk)
             if include_usage:
                 self._sse(response.usage_chunk())
             self._sse("[DONE]")

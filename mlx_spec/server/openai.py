@@ -145,9 +145,38 @@ class OpenAIResponse:
             "speculation": self.finished.speculation if self.finished else None,
         }
 
-    def chunk(self, delta: Optional[dict], final: bool = False) -> dict:
-        """One streamed chunk: ``delta`` (chat) or its text (completions)."""
-        tokens, self.tokens = self.tokens, []
+    def stream(self, events: list) -> List[dict]:
+        """The chunks streamed for ``events`` handed over together (a pass's):
+        consecutive text of one kind goes out as one chunk, with the logprobs
+        of the tokens up to its last piece (later ones go with the next)."""
+        chunks, text, upto = [], None, 0
+        for event in events:
+            delta = self.add(event)
+            plain = delta is not None and len(delta) == 1
+            plain = plain and next(iter(delta)) in ("content", "reasoning")
+            if plain and text is not None and delta.keys() == text.keys():
+                key = next(iter(delta))
+                text, upto = {key: text[key] + delta[key]}, len(self.tokens)
+                continue
+            if text is not None and (delta is not None or isinstance(event, Finished)):
+                chunks.append(self.chunk(text, upto=upto))
+                text = None
+            if plain:
+                text, upto = delta, len(self.tokens)
+            elif delta is not None or isinstance(event, Finished):
+                chunks.append(self.chunk(delta, final=isinstance(event, Finished)))
+        if text is not None:
+            chunks.append(self.chunk(text, upto=upto))
+        return chunks
+
+    def chunk(
+        self, delta: Optional[dict], final: bool = False, upto: Optional[int] = None
+    ) -> dict:
+        """One streamed chunk: ``delta`` (chat) or its text (completions),
+        with the logprobs of the tokens since the last chunk (the first
+        ``upto`` of them)."""
+        upto = len(self.tokens) if upto is None else upto
+        tokens, self.tokens = self.tokens[:upto], self.tokens[upto:]
         choice: Dict[str, Any] = {
             "index": 0,
             "finish_reason": self._finish_reason() if final else None,

@@ -129,7 +129,7 @@ class PrefillQueue:
             except Exception as e:  # reported to its client; the others go on
                 done = True
                 log.exception("request failed")
-                j.job.events.put(e)
+                j.job.put(e)
             released += self._release(j, done)
             if done:
                 self.joining.popleft()

@@ -87,7 +87,7 @@ def job_events(job, timeout: float = 300.0) -> list:
     raised), each waited for at most ``timeout`` seconds."""
     events = []
     while not events or not isinstance(events[-1], (Finished, Exception)):
-        events.append(job.events.get(timeout=timeout))
+        events += job.get(timeout)
     if isinstance(events[-1], Exception):
         raise events[-1]
     return events
