@@ -15,15 +15,12 @@ target has verified:
   ``(emitted[i], hidden[i])`` for i = 0..n in one batched forward, from the
   target's fresh hidden states; the last row gives the next d_1.
 
-Rows are run in batches (deferred while nothing is drafted), and every row
-of a batch but the last is followed by a row whose token the target chose:
-once asked (``hindsight``), the drafter judges the d_1 each row would have
-drafted against that token (and, for a prompt's last rows, against the
-target's greedy choice), so the ``auto`` policy learns the head's
-first-draft acceptance where it does not draft. Only tokens that began a
-pass are judged, walked as one-draft passes would have started
-(``OneDraftWalk``): the tokens inside a drafting pass were reached through
-accepted drafts, so judging them would count mostly easy positions.
+Rows run in batches (deferred while nothing is drafted). Once asked
+(``hindsight``), the drafter judges the d_1 each row would have drafted
+against the token the target chose next (a prompt's last rows: its greedy
+choice), so ``auto`` learns the head's first-draft acceptance where it does
+not draft; only at tokens that began a pass (``OneDraftWalk``: those inside
+a drafting pass were reached through accepted drafts, mostly easy ones).
 """
 
 from itertools import accumulate
@@ -114,14 +111,12 @@ class MTPDrafter(Drafter):
                 mx.eval([c.state for c in self.cache], self._logits)
 
     def catch_up(self):
-        """Process (and evaluate) the deferred rows now, so that timing a
-        following ``draft`` measures only the cost of drafting."""
+        """Run (and evaluate) the deferred rows now: a timed ``draft`` then times drafting."""
         self._run_pending()
         mx.eval(self._logits, [c.state for c in self.cache])
 
     def draft_source(self, k: int, look: bool = True) -> Optional[str]:
-        """The source name ``"mtp"``: ``auto`` starts the head's drafts from
-        the measured cost of a head step; None before the head has a row."""
+        """The source name ``"mtp"``; None before the head has a row."""
         return "mtp" if self.has_rows else None
 
     @property
@@ -134,11 +129,14 @@ class MTPDrafter(Drafter):
         self._run_pending()
         return self._logits
 
-    def _rows(self, tokens: mx.array, hidden: mx.array, starts=None):
-        """Append verified rows. tokens: [L]; hidden: [L, H]. Keeps the last
-        row; ``starts`` [L] (accepted rows, not a prompt's): whether each
-        token began a pass, the rows' first drafts judged against those."""
-        hm = self.head.head_hidden(tokens[None], hidden[None], self.cache)  # [1, L, H]
+    def _rows(self, tokens: mx.array, hidden: mx.array, starts=None, outputs=1):
+        """Append verified rows (tokens: [L]; hidden: [L, H]); keeps the last.
+        ``starts`` [L] (accepted rows): whether each token began a pass, the
+        rows' first drafts judged against those. hm [1, m, H] of the last
+        ``outputs`` rows (all if judged; the rest only write keys and values)."""
+        judged = starts is not None and self._judging and any(starts[1:])
+        wanted = None if judged and not self.samples else outputs
+        hm = self.head.head_hidden(tokens[None], hidden[None], self.cache, wanted)
         self._hm = hm[:, -1:]
         self._logits = self.head.logits(self._hm)[0, 0]
         self.verified += tokens.size
@@ -206,7 +204,10 @@ class MTPDrafter(Drafter):
         tokens = mx.array(list(prompt_tokens[1:]), dtype=mx.uint32)
         bounds = self._chunks(n, hidden.dtype)
         for start, stop in zip(bounds, bounds[1:]):
-            hm = self._rows(tokens[start:stop], hidden[start:stop])
+            read = (
+                max(JUDGED_PROMPT_ROWS, 1) if stop == n else 1
+            )  # rows whose hm is read
+            hm = self._rows(tokens[start:stop], hidden[start:stop], None, read)
             # Every chunk now, the last too: the head's prefill is prompt
             # processing, not the first verify pass's work.
             mx.eval([c.state for c in self.cache], self._logits)

@@ -132,6 +132,18 @@ class MTPDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _write_keys_values(layer: MTPDecoderLayer, x: mx.array, cache):
+    """Write the keys and values of ``x`` [B, L, H] (the layer's input) to
+    ``cache``, as ``layer``'s attention (mlx-lm's ``Qwen3NextAttention``)
+    computes them, without its queries, attention or MLP."""
+    attn, (B, L, _) = layer.self_attn, x.shape
+    x = layer.input_layernorm(x)
+    keys = attn.k_norm(attn.k_proj(x).reshape(B, L, attn.num_key_value_heads, -1))
+    keys = attn.rope(keys.transpose(0, 2, 1, 3), offset=cache.offset)
+    values = attn.v_proj(x).reshape(B, L, attn.num_key_value_heads, -1)
+    cache.update_and_fetch(keys, values.transpose(0, 2, 1, 3))
+
+
 class _TargetRef:
     """Weak link to the target model; a plain object, so not in the module tree."""
 
@@ -243,13 +255,17 @@ class MTPHead(nn.Module):
         input_ids: mx.array,
         target_hidden: mx.array,
         cache: Optional[List[Any]] = None,
+        outputs: Optional[int] = None,
     ) -> mx.array:
         """The head's own post-``mtp.norm`` state ``hm`` (``hidden`` elsewhere
         always means the target's).
 
         input_ids: [B, L] (token_{p+1}); target_hidden: [B, L, H] (h_p, the
         target's post-final-norm state). RoPE positions start at the cache
-        offset. Returns [B, L, H].
+        offset. Returns [B, L, H]; with ``outputs`` (and a cache), only the
+        last ``outputs`` rows' [B, min(L, outputs), H]: the rows before them
+        run the last layer only as far as its keys and values (what later
+        rows attend to), not its attention and MLP, whose output nobody reads.
         """
         e = self.embed(input_ids)
         x = mx.concatenate(
@@ -259,8 +275,13 @@ class MTPHead(nn.Module):
         x = self.fc(x)
         if cache is None:
             cache = [None] * len(self.layers)
+        skip = 0 if outputs is None or cache[-1] is None else x.shape[1] - outputs
         mask = create_attention_mask(x, cache[0])
-        for layer, c in zip(self.layers, cache):
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            if i == len(self.layers) - 1 and skip > 0:
+                _write_keys_values(layer, x[:, :skip], c)
+                x = x[:, skip:]
+                mask = create_attention_mask(x, c)
             x = layer(x, mask, c)
         return self.norm(x)
 
