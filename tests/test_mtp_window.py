@@ -19,7 +19,7 @@ from mlx_spec.generate import stream_generate
 from mlx_spec.models.fast_layers import _stored_rows
 from mlx_spec.models.mtp import MTPKVCache
 from mlx_spec.testing.checkpoints import FAMILIES
-from mlx_spec.testing.mtp_heads import write_predictive_checkpoint
+from mlx_spec.testing.mtp_heads import count_head_rows, write_predictive_checkpoint
 
 WINDOW = 5
 
@@ -176,14 +176,7 @@ def _windowed_counting_rows(model, monkeypatch):
     head = model.mtp_head
     monkeypatch.setattr(head, "attention_window", 6)
     monkeypatch.setattr(mtp_module, "MIN_WINDOW_CHUNK", 4)
-    calls = []
-    rows = MTPDrafter._rows
-    monkeypatch.setattr(
-        MTPDrafter,
-        "_rows",
-        lambda d, t, *a, **k: calls.append(t.size) or rows(d, t, *a, **k),
-    )
-    return head, calls
+    return head, count_head_rows(monkeypatch)
 
 
 def _prefilled(head, prompt, hidden):

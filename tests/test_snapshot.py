@@ -11,6 +11,7 @@ from mlx_spec.core.sampling import make_sampler
 from mlx_spec.core.snapshot import capture, restore
 from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
+from mlx_spec.testing.mtp_heads import count_head_rows
 
 
 def _decoded(model, make, passes=3):
@@ -36,13 +37,7 @@ def test_a_kept_state_carries_the_heads_deferred_rows_unrun(models, make, monkey
     that went on: the same cache rows, next logits and drafts, bit for bit.
     A session's state (``flush=True``) runs them: none are carried."""
     model, _ = models["qwen3_next"]
-    ran = []
-    rows = MTPDrafter._rows
-    monkeypatch.setattr(
-        MTPDrafter,
-        "_rows",
-        lambda d, t, *a, **k: ran.append(t.size) or rows(d, t, *a, **k),
-    )
+    ran = count_head_rows(monkeypatch)
     decoder = _decoded(model, make)
     deferred = _head(decoder.drafter).pending_rows
     assert deferred > 0

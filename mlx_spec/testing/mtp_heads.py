@@ -28,6 +28,7 @@ from typing import Optional, Union
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from ..drafters.mtp import MTPDrafter
 from .checkpoints import EOS_TOKEN_ID, write_tiny_checkpoint
 
 _OUTPUT_PROJS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "down_proj")
@@ -118,3 +119,15 @@ def sidecar_metadata(model_dir) -> dict:
         str(pathlib.Path(model_dir) / "mtp.safetensors"), framework="numpy"
     ) as f:
         return f.metadata()
+
+
+def count_head_rows(monkeypatch) -> list:
+    """The list that records, from now on, how many rows each head forward
+    over verified rows (``MTPDrafter._rows``) runs."""
+    calls, rows = [], MTPDrafter._rows
+    monkeypatch.setattr(
+        MTPDrafter,
+        "_rows",
+        lambda d, t, *a, **k: calls.append(t.size) or rows(d, t, *a, **k),
+    )
+    return calls
