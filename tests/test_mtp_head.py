@@ -6,14 +6,19 @@ import pytest
 
 from mlx_spec.drafters import mtp as mtp_module
 from mlx_spec.drafters.mtp import MTPDrafter
+from mlx_spec.models.mtp.head import MTPDecoderLayer
 from mlx_spec.testing.checkpoints import FAMILIES
 
 
-def _mlp_rows(head, monkeypatch) -> list:
-    """The rows each call of the head layer's MLP runs over, recorded."""
-    layer, rows = head.layers[-1], []
-    mlp = layer.mlp
-    monkeypatch.setattr(layer, "mlp", lambda x: rows.append(x.shape[1]) or mlp(x))
+def _layer_rows(monkeypatch) -> list:
+    """The rows each call of a head layer (its attention and MLP) runs over,
+    recorded."""
+    rows, call = [], MTPDecoderLayer.__call__
+    monkeypatch.setattr(
+        MTPDecoderLayer,
+        "__call__",
+        lambda layer, x, *a, **k: rows.append(x.shape[1]) or call(layer, x, *a, **k),
+    )
     return rows
 
 
@@ -31,7 +36,7 @@ def test_the_last_rows_outputs_and_every_cache_row_are_the_full_forwards(
     mx.random.seed(3)
     ids = mx.random.randint(0, 200, (1, 25))
     hidden = mx.random.normal((1, 25, head.hidden_size))
-    rows = _mlp_rows(head, monkeypatch)
+    rows = _layer_rows(monkeypatch)
     runs = []
     for outputs in (None, 3):
         cache = head.make_cache()
@@ -58,7 +63,7 @@ def test_a_prompt_runs_the_layer_only_where_its_output_is_read(models, monkeypat
     monkeypatch.setattr(mtp_module, "JUDGED_PROMPT_ROWS", 4)
     monkeypatch.setattr(mtp_module, "PREFILL_CHUNK", 8)
     monkeypatch.setattr(head, "attention_window", None)
-    rows = _mlp_rows(head, monkeypatch)
+    rows = _layer_rows(monkeypatch)
     drafter = MTPDrafter(head)
     drafter.hindsight()  # judging on, as auto turns it
     prompt = list(range(3, 23))  # 19 rows: chunks of 3, 8, 8
