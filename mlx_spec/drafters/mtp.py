@@ -111,7 +111,7 @@ class MTPDrafter(Drafter):
                 mx.eval([c.state for c in self.cache], self._logits)
 
     def catch_up(self):
-        """Run (and evaluate) the deferred rows now: a timed ``draft`` then times drafting."""
+        """Run and evaluate the deferred rows (a ``draft`` timed next times drafting)."""
         self._run_pending()
         mx.eval(self._logits, [c.state for c in self.cache])
 
@@ -204,9 +204,7 @@ class MTPDrafter(Drafter):
         tokens = mx.array(list(prompt_tokens[1:]), dtype=mx.uint32)
         bounds = self._chunks(n, hidden.dtype)
         for start, stop in zip(bounds, bounds[1:]):
-            read = (
-                max(JUDGED_PROMPT_ROWS, 1) if stop == n else 1
-            )  # rows whose hm is read
+            read = JUDGED_PROMPT_ROWS if stop == n else 1  # rows whose hm is read
             hm = self._rows(tokens[start:stop], hidden[start:stop], None, read)
             # Every chunk now, the last too: the head's prefill is prompt
             # processing, not the first verify pass's work.

@@ -222,6 +222,25 @@ class MessageResponse:
             ]
         raise TypeError(f"unexpected event {event!r}")
 
+    def stream(self, events: list) -> List[tuple]:
+        """The stream events ``(name, data)`` of ``events`` handed over
+        together (a pass's), a block's consecutive text deltas joined in one."""
+        out: List[tuple] = []
+        for name, data in (e for event in events for e in self.add(event)):
+            if out and name == out[-1][0] == "content_block_delta":
+                last, delta = out[-1][1], data["delta"]
+                kind = delta["type"].removesuffix("_delta")
+                same = (last["index"], last["delta"]["type"]) == (
+                    data["index"],
+                    delta["type"],
+                )
+                if same and kind in ("text", "thinking"):
+                    joined = {**delta, kind: last["delta"][kind] + delta[kind]}
+                    out[-1] = (name, {**last, "delta": joined})
+                    continue
+            out.append((name, data))
+        return out
+
     def _delta(self, delta: dict) -> List[tuple]:
         index = len(self.blocks) - 1
         return [

@@ -219,12 +219,11 @@ class Handler(BaseHTTPRequestHandler):
             return self._send_json(200, response.body())
         started = False
         try:
-            for event in self._events(job, lambda: True):
-                out = response.add(event)
+            for events in self._batches(job, lambda: True):
                 if not started:
                     self._start_stream()
                     started = True
-                for name, data in out:
+                for name, data in response.stream(events):
                     self._sse(data, event=name)
         except OSError:
             job.cancel()

@@ -13,6 +13,11 @@ from typing import Any, Dict, List, Optional
 from .events import Finished, GenerationParams, Segment, Started, Token, ToolCall
 
 
+def _is_text(delta: Optional[dict]) -> bool:
+    """Whether a streamed delta is content or reasoning text alone."""
+    return delta is not None and list(delta) in (["content"], ["reasoning"])
+
+
 def error_body(message: str, status: int, param: Optional[str] = None) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 404:
@@ -149,22 +154,21 @@ class OpenAIResponse:
         """The chunks streamed for ``events`` handed over together (a pass's):
         consecutive text of one kind goes out as one chunk, with the logprobs
         of the tokens up to its last piece (later ones go with the next)."""
-        chunks, text, upto = [], None, 0
+        chunks, text, upto = [], None, 0  # text: the delta not yet sent
         for event in events:
-            delta = self.add(event)
-            plain = delta is not None and len(delta) == 1
-            plain = plain and next(iter(delta)) in ("content", "reasoning")
-            if plain and text is not None and delta.keys() == text.keys():
-                key = next(iter(delta))
-                text, upto = {key: text[key] + delta[key]}, len(self.tokens)
-                continue
-            if text is not None and (delta is not None or isinstance(event, Finished)):
-                chunks.append(self.chunk(text, upto=upto))
-                text = None
-            if plain:
-                text, upto = delta, len(self.tokens)
-            elif delta is not None or isinstance(event, Finished):
-                chunks.append(self.chunk(delta, final=isinstance(event, Finished)))
+            delta, final = self.add(event), isinstance(event, Finished)
+            if delta is None and not final:
+                continue  # a token: it goes with the chunk of its text
+            if _is_text(delta) and text is not None and delta.keys() == text.keys():
+                ((key, piece),) = delta.items()
+                text = {key: text[key] + piece}
+            else:
+                if text is not None:
+                    chunks.append(self.chunk(text, upto=upto))
+                text = delta if _is_text(delta) else None
+                if text is None:
+                    chunks.append(self.chunk(delta, final=final))
+            upto = len(self.tokens)
         if text is not None:
             chunks.append(self.chunk(text, upto=upto))
         return chunks

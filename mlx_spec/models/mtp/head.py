@@ -275,7 +275,9 @@ class MTPHead(nn.Module):
         x = self.fc(x)
         if cache is None:
             cache = [None] * len(self.layers)
-        skip = 0 if outputs is None or cache[-1] is None else x.shape[1] - outputs
+        skip = 0  # rows that write only keys and values (not the last row)
+        if outputs is not None and cache[-1] is not None:
+            skip = x.shape[1] - max(outputs, 1)
         mask = create_attention_mask(x, cache[0])
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             if i == len(self.layers) - 1 and skip > 0:
