@@ -93,10 +93,11 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("make", [MTPDrafter, MTPNgramDrafter])
 def test_a_windowed_head_changes_no_token(models, family, make, monkeypatch):
     """A window far shorter than the text: drafts change, tokens do not;
-    with chunks of the window's size the prefill skips the prompt's first
-    rows (zeros stand for them)."""
+    the prefill skips the prompt's rows before the last judged ones' windows
+    (zeros stand for them)."""
     model, tok = models[family]
     monkeypatch.setattr(mtp_module, "MIN_WINDOW_CHUNK", 4)
+    monkeypatch.setattr(mtp_module, "JUDGED_PROMPT_ROWS", 2)
     prompt = "def push(self, value: int) -> None:\n    x = value + value\n"
     want = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=24)]
     monkeypatch.setattr(model.mtp_head, "attention_window", 4)
@@ -171,11 +172,13 @@ def test_a_prompt_prefilled_in_chunks_leaves_the_head_as_one_forward(
 
 
 def _windowed_counting_rows(model, monkeypatch):
-    """The model's head with a window of 6 (chunks of 6), and the list that
-    records how many rows each head forward over verified rows runs."""
+    """The model's head with a window of 6 (chunks of 6), a prompt's last 4
+    rows judged, and the list that records how many rows each head forward
+    over verified rows runs."""
     head = model.mtp_head
     monkeypatch.setattr(head, "attention_window", 6)
     monkeypatch.setattr(mtp_module, "MIN_WINDOW_CHUNK", 4)
+    monkeypatch.setattr(mtp_module, "JUDGED_PROMPT_ROWS", 4)
     return head, count_head_rows(monkeypatch)
 
 
@@ -189,26 +192,26 @@ def _prefilled(head, prompt, hidden):
 
 
 def test_a_windowed_prefill_skips_the_rows_no_later_row_sees(models, monkeypatch):
-    """With a window, the prompt's head rows before the last two chunks are
-    never attended to again: they are not run (zeros stand for them), and
-    the cache rows later rows see, the next logits, the hindsight judgments of
-    the prompt's last rows and the drafts are bit for
+    """With a window, the prompt's head rows before the windows of its last
+    (judged) rows are never attended to again: they are not run (zeros stand
+    for them), and the cache rows later rows see, the next logits, the
+    hindsight judgments of the prompt's last rows and the drafts are bit for
     bit those of running every chunk. Negative control: blanking one row more,
     the first the last row attends to, changes the logits."""
     model, _ = models["qwen3_next"]
     head, calls = _windowed_counting_rows(model, monkeypatch)
     mx.random.seed(5)
-    prompt = list(range(3, 40))  # 36 rows: chunks 6 * 6, two of them run
+    prompt = list(range(3, 40))  # 36 rows: the last 4 judged, window 6
     hidden = mx.random.normal((len(prompt) - 1, head.hidden_size))
     skipping, logits, draft = _prefilled(head, prompt, hidden)
-    assert calls == [6, 6]
-    assert not mx.any(skipping.cache[0].keys[..., :24, :]).item()  # zeros
+    assert calls == [4, 6]  # rows 26..35 (row 32 attends back to row 27)
+    assert not mx.any(skipping.cache[0].keys[..., :26, :]).item()  # zeros
 
     every_chunk = list(range(0, 37, 6))
     monkeypatch.setattr(MTPDrafter, "_seen_chunks", lambda d, n: every_chunk)
     every, want_logits, want_draft = _prefilled(head, prompt, hidden)
     assert mx.array_equal(logits[0], want_logits[0]).item() and draft == want_draft
-    assert logits[1] == want_logits[1] and logits[1][1] == 5
+    assert logits[1] == want_logits[1] and logits[1][1] == 3  # 4 rows judged
     for got, want in zip(skipping.cache, every.cache):
         assert mx.array_equal(got.keys[..., 30:36, :], want.keys[..., 30:36, :]).item()
 
@@ -232,7 +235,7 @@ def test_a_prompt_fed_in_chunks_reaches_the_drafter_in_one_piece(
     control: chunks whose rows run as they come run every row."""
     model, _ = models["qwen3_next"]
     head, calls = _windowed_counting_rows(model, monkeypatch)
-    prompt = [3 + (7 * i) % 50 for i in range(37)]  # 36 rows: two chunks run
+    prompt = [3 + (7 * i) % 50 for i in range(37)]  # 36 rows: the last 10 run
 
     def fed(chunk, more=True, limit=None):
         """A decoder fed the prompt in chunks of ``chunk``, its head's rows
@@ -252,14 +255,14 @@ def test_a_prompt_fed_in_chunks_reaches_the_drafter_in_one_piece(
         MTPDrafter, "reset", lambda d, t, h: given.append(h) or reset(d, t, h)
     )
     whole, whole_head = fed(len(prompt))
-    assert calls == [6, 6]
+    assert calls == [4, 6]
     # the rows it never reads come as zeros; the others are the target's
     real = model.model(mx.array(prompt[:-1])[None])[0]
-    assert not mx.any(given[-1][:24]).item()
-    assert mx.array_equal(given[-1][24:], real[24:]).item()
+    assert not mx.any(given[-1][:26]).item()
+    assert mx.array_equal(given[-1][26:], real[26:]).item()
     calls.clear()
     chunked, chunked_head = fed(8)
-    assert calls == [6, 6]
+    assert calls == [4, 6]
     assert chunked.history == whole.history == prompt
     assert mx.array_equal(chunked_head.next_logits(), whole_head.next_logits()).item()
     for got, want in zip(chunked_head.cache, whole_head.cache):

@@ -230,24 +230,24 @@ class MTPDrafter(Drafter):
     def _seen_chunks(self, n: int) -> List[int]:
         """The bounds of the chunks that ``n`` new rows run in (one chunk
         when they fit), the shorter first so that the last one holds the rows
-        judged in hindsight; with an attention window, only the chunks some
-        later row attends to.
+        judged in hindsight; with an attention window, only the rows that a
+        row whose output is read attends to.
 
-        Later rows see only the last ``window`` positions, all in the last
-        chunk (a chunk is at least the window), where the rows judged in
-        hindsight are too; a chunk's rows attend into the chunk before, and
-        through each layer below one chunk further back, so the last
-        ``layers + 1`` chunks run, exactly as in a full prefill (same rows,
-        same shapes): the last chunk's cache rows, logits and judgments are
-        bit-identical. The rows before them are never attended to again."""
+        Only the last row's output and the judged rows' are read (the rest
+        write their keys and values only, see ``MTPHead.head_hidden``). A row
+        attends to its last ``window`` positions, and through each layer below
+        one window further back, so the last ``JUDGED_PROMPT_ROWS + layers *
+        window`` rows run: the cache rows any later row reads, the logits and
+        the judgments are those of running every row. The rows before them
+        are never attended to again."""
         window = self.head.attention_window
         chunk = PREFILL_CHUNK if window is None else max(window, MIN_WINDOW_CHUNK)
-        chunk = min(chunk, PREFILL_CHUNK)
-        bounds = [0] + list(range(n % chunk or chunk, n + 1, chunk))
-        keep = len(self.head.layers) + 1  # chunks that must run
-        if window is None or len(bounds) <= keep + 1:
-            return bounds
-        return bounds[-(keep + 1) :]
+        chunk, first = min(chunk, PREFILL_CHUNK), 0
+        if window is not None:
+            first = max(n - JUDGED_PROMPT_ROWS - len(self.head.layers) * window, 0)
+        return [first] + list(
+            range(first + ((n - first) % chunk or chunk), n + 1, chunk)
+        )
 
     def rows_read(self, n: int) -> int:
         """Of ``n`` rows given at once (a prompt), how many (the last ones)
