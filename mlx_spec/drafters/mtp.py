@@ -238,8 +238,9 @@ class MTPDrafter(Drafter):
         attends to its last ``window`` positions, and through each layer below
         one window further back, so the last ``JUDGED_PROMPT_ROWS + layers *
         window`` rows run: the cache rows any later row reads, the logits and
-        the judgments are those of running every row. The rows before them
-        are never attended to again."""
+        a prompt's judgments are those of running every row (a longer run of
+        judged accepted rows judges its first ones on part of their window).
+        The rows before them are never attended to again."""
         window = self.head.attention_window
         chunk = PREFILL_CHUNK if window is None else max(window, MIN_WINDOW_CHUNK)
         chunk, first = min(chunk, PREFILL_CHUNK), 0
