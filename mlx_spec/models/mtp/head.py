@@ -279,13 +279,13 @@ class MTPHead(nn.Module):
         if outputs is not None and cache[-1] is not None:
             skip = x.shape[1] - max(outputs, 1)
         mask = create_attention_mask(x, cache[0])
-        for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            if i == len(self.layers) - 1 and skip > 0:
-                _write_keys_values(layer, x[:, :skip], c)
-                x = x[:, skip:]
-                mask = create_attention_mask(x, c)
+        for layer, c in zip(self.layers[:-1], cache[:-1]):
             x = layer(x, mask, c)
-        return self.norm(x)
+        if skip > 0:
+            _write_keys_values(self.layers[-1], x[:, :skip], cache[-1])
+            x = x[:, skip:]
+            mask = create_attention_mask(x, cache[-1])
+        return self.norm(self.layers[-1](x, mask, cache[-1]))
 
     def __call__(
         self,
