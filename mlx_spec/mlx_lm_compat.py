@@ -28,7 +28,7 @@ from mlx_lm.generate import setup_arg_parser as generate_arg_parser
 from mlx_lm.generate import stream_generate as plain_stream_generate
 from mlx_lm.generate import wired_limit
 from mlx_lm.models import qwen3_5, qwen3_next
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
@@ -129,6 +129,7 @@ __all__ = [
     "gated_delta_update_runs_ops",
     "chat_arg_parser",
     "wired_limit",
+    "scaled_dot_product_attention",
 ]
 
 

@@ -5,6 +5,7 @@ mlx-lm's batched plain decoding (``BatchGenerator``) of the same rows.
     python scripts/bench_batch.py [--model DIR] [--rows 1 2 4] [--draft ngram mtp+ngram none]
         [--repeats 3]
     python scripts/bench_batch.py --prefill 1024 [--rows 1 2 4]
+    python scripts/bench_batch.py --attention
 
 For each row count the settings (mlx-lm's rows first) run in turn,
 ``--repeats`` rounds, each round in the reverse order of the last, so a
@@ -20,6 +21,10 @@ LM head: ``mlx_spec/models/packed.py``): an A/B in one run.
 those many tokens (padded to the longest): with the padding computed, with
 the recurrence skipping it, and with the MLPs and head skipping it too
 (interleaved, medians of ``--repeats`` x 10).
+``--attention``: instead, one attention layer's call over 4 rows of unequal
+lengths, padded to the longest and masked against a call per row over its
+own keys (which a pass makes where the padding wastes much:
+``RaggedKVCache.row_key_counts``).
 ``--prefill N``: instead, what prefilling several prompts together would gain:
 the model's plain forward over ``rows`` prompts of ``N`` tokens, one prompt
 at a time against all of them as one ``[rows, N]`` batch (chunks of 256).
@@ -48,7 +53,13 @@ from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters import make_drafter
-from mlx_spec.mlx_lm_compat import BatchGenerator, make_prompt_cache
+from mlx_spec.core.ragged_cache import RaggedKVCache
+from mlx_spec.mlx_lm_compat import (
+    BatchGenerator,
+    make_prompt_cache,
+    scaled_dot_product_attention,
+)
+from mlx_spec.models.fast_layers import attend_rows_alone
 
 
 def run(model, prompts, setting, rows, max_tokens, num_draft_tokens):
@@ -197,6 +208,44 @@ def bench_shapes(model, prompt, shapes: List[List[int]], repeats: int):
         )
 
 
+def bench_attention(model, repeats: int):
+    """One attention layer's call over 4 rows of the lengths below, as a
+    pass computes it: padded to the longest row and masked, against a call
+    per row over its own keys (what ``RaggedKVCache.row_key_counts`` picks
+    where the padding wastes much). Medians of ``repeats`` x 20 calls."""
+    layer = next(l.self_attn for l in model.layers if hasattr(l, "self_attn"))
+    heads, kv_heads = layer.num_attention_heads, layer.num_key_value_heads
+    dim = layer.head_dim
+    print("| rows' tokens | T | padded, us | a call per row, us | split? |")
+    print("|---|---|---|---|---|")
+    for lengths in ([380, 370, 150, 170], [300, 250, 40, 2119], [1000] * 3 + [2119]):
+        for T in (1, 3):
+            cache = RaggedKVCache()
+            cache.offsets = list(lengths)  # keys before the pass: zeros
+            mask = cache.make_mask(T, return_array=True)
+            new = [mx.random.normal((4, kv_heads, T, dim)) for _ in "kv"]
+            keys, values = cache.update_and_fetch(*new)
+            q = mx.random.normal((4, heads, T, dim))
+            mx.eval(q, keys, values, mask)
+            calls = {
+                "padded": lambda: scaled_dot_product_attention(
+                    q, keys, values, None, 0.125, mask
+                ),
+                "rows": lambda: attend_rows_alone(
+                    q, keys, values, cache.offsets, 0.125
+                ),
+            }
+            us = {name: [] for name in calls}
+            for _, name in interleaved(list(calls), repeats):
+                tic = time.perf_counter()
+                for _ in range(20):
+                    mx.eval(calls[name]())
+                us[name].append((time.perf_counter() - tic) / 20 * 1e6)
+            padded, rows = (statistics.median(us[n]) for n in calls)
+            split = "yes" if cache.row_key_counts() is not None else "no"
+            print(f"| {lengths} | {T} | {padded:.0f} | {rows:.0f} | {split} |")
+
+
 def bench_prefill(model, prompts, n, row_counts):
     longest = max(prompts, key=len)
     tokens = (longest * (n // len(longest) + 1))[:n]  # repeated up to n tokens
@@ -234,6 +283,11 @@ def main():
     p.add_argument("--prefill", type=int, help="measure prefill of N-token prompts")
     p.add_argument("--shapes", nargs="+", help="time verify passes of these rows")
     p.add_argument(
+        "--attention",
+        action="store_true",
+        help="time one attention call over rows of unequal lengths, padded or a call per row",
+    )
+    p.add_argument(
         "--workloads",
         nargs="+",
         help="the rows' prompts, by workload name (default: the copy and free-text "
@@ -253,6 +307,8 @@ def main():
     names = args.workloads or [w["name"] for w in workloads if w["kind"] != "long"]
     prompts = [tok.encode(w["prompt"]) for w in workloads if w["name"] in names]
     print(json.dumps(machine_info()))
+    if args.attention:
+        return bench_attention(model, max(args.repeats, 5))
     if shapes:
         return bench_shapes(model, prompts[0], shapes, args.repeats)
     if args.prefill:

@@ -5,10 +5,12 @@ import pytest
 
 from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.batch_policy import PassLength
+from mlx_spec.core.ragged_cache import RaggedKVCache
 from mlx_spec.core.sampling import make_sampler
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.base import Drafter
 from mlx_spec.mlx_lm_compat import make_prompt_cache
+from mlx_spec.models import fast_layers
 from mlx_spec.testing.reference import (
     drafter_for,
     OracleDrafter,
@@ -26,6 +28,27 @@ EOS = 399
     "kinds", [("oracle", "ngram", "oracle"), ("mtp", "mtp+ngram", "none")]
 )
 def test_each_row_equals_its_decoding_alone(models, family, kinds):
+    _assert_rows_equal_alone(models, family, kinds)
+
+
+@pytest.mark.parametrize("kinds", [("oracle", "mtp+ngram", "none")])
+def test_rows_attending_over_their_own_keys_equal_their_decoding_alone(
+    models, family, kinds, monkeypatch
+):
+    """With every pass's attention split into a call per row (over its own
+    keys, with its own mask), each row still gets its tokens alone."""
+    monkeypatch.setattr(RaggedKVCache, "SPLIT_RATIO", 1.0)
+    monkeypatch.setattr(RaggedKVCache, "SPLIT_WASTE", 0)
+    calls = []
+    real = fast_layers.attend_rows_alone
+    monkeypatch.setattr(
+        fast_layers, "attend_rows_alone", lambda *a: calls.append(a) or real(*a)
+    )
+    _assert_rows_equal_alone(models, family, kinds)
+    assert len(calls) > 10 and {a[0].shape[2] for a in calls} > {1}
+
+
+def _assert_rows_equal_alone(models, family, kinds):
     model, tok = models[family]
     specs = [
         (prompts("mixed"), 20, 3),

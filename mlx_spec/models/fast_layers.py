@@ -19,7 +19,10 @@ two kinds of module in ``model`` (and in an MTP head attached as
   ``__call__`` is that very function (mlx-lm's code object, not a copy)
   bound to a namespace in which the name resolves to the dispatcher
   :func:`scaled_dot_product_attention` below. mlx-lm's module is never
-  modified, so every other model keeps mlx-lm's function.
+  modified, so every other model keeps mlx-lm's function. Over a batch's
+  ragged cache whose rows differ much in length the dispatcher attends each
+  row over its own keys, a call per row, instead of every row over the
+  longest row's keys, masked (:func:`attend_rows_alone`).
 
 With ``MLX_SPEC_KERNELS=off``, without Metal, or for shapes the kernels do
 not take, both run mlx-lm's own code (``SwitchGLU.__call__``, mlx-lm's
@@ -28,6 +31,7 @@ for bit. Parameters are kept.
 """
 
 import types
+from typing import List
 
 import mlx.core as mx
 
@@ -90,6 +94,27 @@ def _stored_rows(cache, keys, values):
     return k[..., start:n, :], v[..., start:n, :]
 
 
+def attend_rows_alone(queries, keys, values, counts: List[int], scale: float):
+    """Each row's attention over its own first ``counts[b]`` keys, with the
+    mask it has decoding alone (none for one query, else causal: query ``t``
+    sees the keys up to its own position, never a padded position after
+    it). queries: [B, Hq, T, D]; keys, values: [B, Hkv, N, D]."""
+    mask = None if queries.shape[2] == 1 else "causal"
+    return mx.concatenate(
+        [
+            scaled_dot_product_attention(
+                queries[b : b + 1],
+                keys[b : b + 1, :, :n],
+                values[b : b + 1, :, :n],
+                None,
+                scale,
+                mask,
+            )
+            for b, n in enumerate(counts)
+        ]
+    )
+
+
 def scaled_dot_product_attention(
     queries, keys, values, cache, scale: float, mask, sinks=None
 ):
@@ -106,7 +131,16 @@ def scaled_dot_product_attention(
 
     queries: [B, Hq, T, D]; keys, values: [B, Hkv, N, D] (or a quantised
     cache's tuples). Returns [B, Hq, T, D].
+
+    Over a batch's ragged cache whose rows differ much in length
+    (``RaggedKVCache.row_key_counts``), each row attends alone over its own
+    keys (same bits as the padded, masked call where the BLAS rounds a row
+    alike in any batch: MLX's reference BLAS).
     """
+    row_key_counts = getattr(cache, "row_key_counts", None)
+    counts = None if row_key_counts is None or sinks is not None else row_key_counts()
+    if counts is not None:
+        return attend_rows_alone(queries, keys, values, counts, scale)
     if sinks is None and not hasattr(cache, "bits") and kernels.kernels_wanted():
         if _is_mtp_cache(cache):
             keys, values = _stored_rows(cache, keys, values)
