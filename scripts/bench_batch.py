@@ -229,10 +229,10 @@ def bench_attention(model, repeats: int):
             mx.eval(q, keys, values, mask)
             calls = {
                 "padded": lambda: scaled_dot_product_attention(
-                    q, keys, values, None, 0.125, mask
+                    q, keys, values, None, layer.scale, mask
                 ),
                 "rows": lambda: attend_rows_alone(
-                    q, keys, values, cache.offsets, 0.125
+                    q, keys, values, cache.offsets, layer.scale
                 ),
             }
             us = {name: [] for name in calls}

@@ -3,10 +3,12 @@ and that doing so gives each row what it computes alone, bit for bit."""
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
-from mlx_lm.models.cache import KVCache
-
 from mlx_spec.core.ragged_cache import RaggedKVCache
+from mlx_spec.mlx_lm_compat import (
+    KVCache,
+    create_attention_mask,
+    scaled_dot_product_attention,
+)
 from mlx_spec.models import fast_layers
 
 H_Q, H_KV, D = 4, 2, 32
