@@ -16,19 +16,14 @@ picks a slot; ``"replay"`` keeps the recurrence inputs and re-runs the accepted
 prefix from the pre-verify state (no matmuls).
 """
 
-import platform
 from typing import Any, List, Optional
 
 import mlx.core as mx
 
 from ..kernels.gated_delta import gated_delta_steps, row_state
-from ..kernels.switch import kernels_wanted
 from ..mlx_lm_compat import ArraysCache, gated_delta_update, make_prompt_cache
 from ..models.gdn import make_verifiable
 from ..models.pipeline import pipeline_group
-
-# where MLX's CPU compiles fused code without fused multiply-adds
-_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 
 ROLLBACK_STRATEGIES = ("store", "replay")
 
@@ -82,37 +77,6 @@ class GDNSlotCache(ArraysCache):
         (``lengths``), and the recurrence skips the padding (host ints)."""
         self.lengths = None if lengths is None else mx.array(lengths)
         self.row_lengths = lengths
-
-    def takes_one_token(self, inputs: mx.array, mask) -> bool:
-        """Whether a layer's forward of ``inputs`` [B, T, hidden] may run as
-        its compiled one-token function (``models/gdn.py``): one token a row,
-        none masked or padded, from a state already there, with the states
-        stored for rollback, on MLX's CPU with no kernel wanted (the
-        recurrence's reference, which runs through ops) of an x86-64 machine:
-        there MLX compiles the fused code for the baseline instruction set,
-        without fused multiply-adds, so it rounds as the separate operations
-        do (elsewhere a compiler may contract them: not checked)."""
-        return (
-            inputs.shape[1] == 1
-            and mask is None
-            and self.lengths is None
-            and self[0] is not None
-            and self[1] is not None
-            and (self.rollback == "store" or not self.capturing)
-            and mx.default_device() == mx.cpu
-            and not kernels_wanted()
-            and _X86_64
-        )
-
-    def advance_one(self, conv_input: mx.array, state: mx.array):
-        """After a one-token forward (conv_input: [B, K, C]; ``state``: the
-        state after the token): the cache as ``verify_recurrence`` (while
-        capturing) or ``step_recurrence`` leaves it."""
-        if self.capturing:
-            self._pass = (1, conv_input, self[1], [state])
-        self[0] = mx.contiguous(conv_input[:, 1:])
-        self[1] = state
-        self.advance(1)
 
     def verify_recurrence(self, conv_input: mx.array, gdn_inputs, mask) -> mx.array:
         """Run the verify recurrence and capture what rollback needs.

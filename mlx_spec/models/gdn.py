@@ -19,15 +19,6 @@ mlx-lm's own caches runs the parent's forward. Rows of a batch padded at the
 end (``cache.lengths``, the batch decoder's layout) are masked as mlx-lm
 masks them; left-padded caches are refused.
 
-One token a row (a plain pass of a sequence or a batch, a decoding step)
-runs as the layer's compiled function (``mx.compile`` of the same forward,
-with the recurrence's ops reference) on an x86-64 CPU where no kernel is
-wanted (``GDNSlotCache.takes_one_token``): one call for the host instead of
-every operation's graph node built and scheduled per layer and pass, the same
-values bit for bit (the fused code does what the separate operations do, in
-float32 each; ``tests/test_gdn.py``). On a 2-core CPU the host's work competes
-with the device's.
-
 With a cache that sets ``evaluate_early`` (mlx-spec's own; mlx-lm's caches do
 not, so mlx-lm decoding the same model object is unchanged), a layer's output
 starts evaluating (``mx.async_eval``) as soon as its graph is built: the device
@@ -42,7 +33,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..mlx_lm_compat import normalize_qk, qwen3_5, qwen3_next
-from ..kernels.gated_delta import gated_delta_steps_reference
 from .depthwise_conv import depthwise_conv
 
 
@@ -71,22 +61,9 @@ class _VerifyGDNMixin:
                 "speculative verify passes over left-padded GDN caches are not "
                 "supported (a batch pads its rows at the end: cache.lengths)"
             )
-        if cache.takes_one_token(inputs, mask):
-            out, conv_input, state = self._compiled_token(inputs, cache[0], cache[1])
-            cache.advance_one(conv_input, state)
-            return out
-        conv_input, gdn_inputs, z = self._mixer_inputs(inputs, cache[0], mask)
-        if cache.capturing:
-            out = cache.verify_recurrence(conv_input, gdn_inputs, mask)
-        else:
-            out = cache.step_recurrence(conv_input, gdn_inputs, mask, not self.training)
-        return self._mixer_output(out, z)
-
-    def _mixer_inputs(self, inputs: mx.array, conv_state, mask):
-        """The conv input [B, K-1+T, C], the recurrence's inputs (q, k, v, a,
-        b, A_log, dt_bias) and the gate z of ``inputs`` [B, T, hidden]."""
         B, T, _ = inputs.shape
         qkv, z, b, a = self._project(inputs)
+        conv_state = cache[0]
         if conv_state is None:
             conv_state = mx.zeros(
                 (B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype
@@ -104,28 +81,13 @@ class _VerifyGDNMixin:
             )
         ]
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
-        return conv_input, (q, k, v, a, b, self.A_log, self.dt_bias), z
-
-    def _mixer_output(self, y: mx.array, z: mx.array) -> mx.array:
-        # y: [B, T, Hv, Dv] -> [B, T, hidden]
-        B, T = y.shape[:2]
-        return self.out_proj(self.norm(y, z).reshape(B, T, -1))
-
-    def _one_token(self, inputs, conv_state, state):
-        """The forward of one token per row as a function of its inputs:
-        (output [B, 1, hidden], conv input [B, K, C], state after it)."""
-        conv_input, gdn_inputs, z = self._mixer_inputs(inputs, conv_state, None)
-        y, states = gated_delta_steps_reference(*gdn_inputs, state, None, True)
-        return self._mixer_output(y, z), conv_input, states[0]
-
-    @property
-    def _compiled_token(self):
-        """:meth:`_one_token` compiled, reading the layer's current weights."""
-        compiled = self.__dict__.get("_mlx_spec_one_token")
-        if compiled is None:
-            compiled = mx.compile(self._one_token, inputs=self.state)
-            object.__setattr__(self, "_mlx_spec_one_token", compiled)
-        return compiled
+        gdn_inputs = (q, k, v, a, b, self.A_log, self.dt_bias)
+        if cache.capturing:
+            out = cache.verify_recurrence(conv_input, gdn_inputs, mask)
+        else:
+            out = cache.step_recurrence(conv_input, gdn_inputs, mask, not self.training)
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(B, T, -1))
 
 
 class Qwen3NextVerifyGDN(_VerifyGDNMixin, qwen3_next.Qwen3NextGatedDeltaNet):
