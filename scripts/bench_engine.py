@@ -27,6 +27,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from collections import defaultdict
 
 import mlx_spec
@@ -133,11 +134,11 @@ def main():
         if draft not in DRAFTS:
             p.error(f"unknown draft {draft!r}: one of {', '.join(DRAFTS)}")
     model, tok = mlx_spec.load(args.model)
-    prompts = [
-        tok.encode(w["prompt"])
-        for w in load_workloads(tokenizer=tok)
-        if w["name"] in args.workloads
-    ]
+    workloads = {w["name"]: w["prompt"] for w in load_workloads(tokenizer=tok)}
+    unknown = [name for name in args.workloads if name not in workloads]
+    if unknown:
+        p.error(f"unknown workloads {unknown}: of {', '.join(workloads)}")
+    prompts = [tok.encode(workloads[name]) for name in args.workloads]
     print(json.dumps(machine_info()), flush=True)
     runs = defaultdict(list)  # draft -> rounds
     passes = {d: defaultdict(lambda: [0, 0, 0.0]) for d in args.drafts}
@@ -176,9 +177,17 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        status = 0
+    except SystemExit as e:  # argparse's errors
+        status = e.code
+    except Exception:
+        traceback.print_exc()
+        status = 1
     # The engines ran MLX on worker threads; freeing their compile caches
     # while the interpreter finalizes aborts the process (as the server's
     # exit explains): nothing is left to tear down, so skip finalization.
     sys.stdout.flush()
-    os._exit(0)
+    sys.stderr.flush()
+    os._exit(status)
