@@ -25,13 +25,17 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 import traceback
 from collections import defaultdict
 
 import mlx_spec
-from mlx_spec.commands.bench import interleaved, load_workloads, machine_info
+from mlx_spec.commands.bench import (
+    concurrent_clients,
+    interleaved,
+    load_workloads,
+    machine_info,
+)
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters import DRAFTS
 from mlx_spec.server.engine import Engine
@@ -87,29 +91,14 @@ def run_round(model, tok, draft, prompts, args, passes) -> dict:
     engine = _TimedEngine(model, tok, draft, batch_size=args.batch_size)
     try:
         _generate(engine, prompts[0], 8)  # warm: the policies' profiles
-        before, logged, counts, errors = dict(engine.work), len(engine.pass_log), [], []
-
-        def client(i):
-            for j in range(len(prompts)):
-                prompt = prompts[(i + j) % len(prompts)]
-                try:
-                    counts.append(_generate(engine, prompt, args.max_tokens))
-                except Exception as e:  # reported, not hidden
-                    errors.append(repr(e))
-
-        tic = time.perf_counter()
-        threads = [
-            threading.Thread(target=client, args=(i,)) for i in range(args.clients)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - tic
+        before, logged = dict(engine.work), len(engine.pass_log)
+        counts, wall = concurrent_clients(
+            lambda prompt: _generate(engine, prompt, args.max_tokens),
+            prompts,
+            args.clients,
+        )
     finally:
         engine.close()
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
     for rows, T, tokens, seconds in engine.pass_log[logged:]:
         seen = passes[(rows, T)]
         seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + tokens, seen[2] + seconds

@@ -31,7 +31,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -39,6 +38,7 @@ import mlx.core as mx
 
 import mlx_spec
 from mlx_spec.commands.bench import (
+    concurrent_clients,
     interleaved,
     load_workloads,
     machine_info,
@@ -81,25 +81,12 @@ def stream(port, path, body):
 
 def concurrent(port, prompts, clients, max_tokens, extra):
     """``clients`` threads, each sending ``prompts`` in turn (offset by its index)."""
-    results, errors = [], []
 
-    def client(i):
-        for j in range(len(prompts)):
-            body = {"prompt": prompts[(i + j) % len(prompts)], "max_tokens": max_tokens}
-            try:
-                results.append(stream(port, "/v1/completions", {**body, **extra}))
-            except Exception as e:  # reported, not hidden
-                errors.append(repr(e))
+    def request(prompt):
+        body = {"prompt": prompt, "max_tokens": max_tokens, **extra}
+        return stream(port, "/v1/completions", body)
 
-    tic = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - tic
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    results, wall = concurrent_clients(request, prompts, clients)
     drafted = sum((r["speculation"] or {}).get("drafted", 0) for r in results)
     accepted = sum((r["speculation"] or {}).get("accepted", 0) for r in results)
     return {

@@ -33,6 +33,7 @@ import platform
 import statistics
 import sys
 import sysconfig
+import threading
 import time
 from importlib import resources
 from pathlib import Path
@@ -138,6 +139,32 @@ def interleaved(settings: list, rounds: int):
 def median_run(runs: List[dict], key: str) -> dict:
     """The run whose ``key`` is the median (the upper one of an even count)."""
     return sorted(runs, key=lambda run: run[key])[len(runs) // 2]
+
+
+def concurrent_clients(request, prompts: list, clients: int):
+    """``clients`` threads, each sending every prompt once in turn (client
+    ``i`` from ``prompts[i % n]`` on) through ``request(prompt)``: the
+    results and the wall seconds. A failed request is raised, named, once
+    every client is done (the benchmark scripts' concurrent load)."""
+    results, errors = [], []
+
+    def client(i):
+        for j in range(len(prompts)):
+            try:
+                results.append(request(prompts[(i + j) % len(prompts)]))
+            except Exception as e:  # reported, not hidden
+                errors.append(repr(e))
+
+    tic = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    return results, wall
 
 
 def _decode(responses):
