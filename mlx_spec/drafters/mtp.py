@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .base import MAX_MTP_DRAFT_TOKENS, Drafter, OneDraftWalk, as_list
+from .deferred import DeferredRows
 
 PREFILL_CHUNK = 2048  # prompt rows per head forward (full attention)
 # With an attention window, chunks of the window's size (not below this):
@@ -61,7 +62,7 @@ class MTPDrafter(Drafter):
         self._hm = None  # [1, 1, H]: its post-norm hidden (input of step 2)
         self._draft_rows = 0  # draft-time rows in the cache, trimmed on accept
         self.verified = 0  # rows of verified positions in the cache
-        self._pending = []  # accepted (tokens [L], hidden [L, H]) not yet run
+        self._pending = DeferredRows()  # accepted rows not yet run
         self.choose = None  # logits, drafted -> (token, q); None: the argmax
         self.draft_probs: Optional[mx.array] = None  # [m, V] q of a sampled draft
         self.pending_limit = PENDING_ROWS  # a batch that runs the rows lifts it
@@ -99,7 +100,7 @@ class MTPDrafter(Drafter):
         batched forward. Rows are deferred so that passes without a draft
         (``auto`` choosing k = 0) cost no head forward at all."""
         # Each pending entry is one pass's tokens: its first began the pass.
-        starts = [i == 0 for t, _ in self._pending for i in range(t.size)]
+        starts = self._pending.starts()
         rows = self.take_pending()
         if rows is None:
             return
@@ -183,7 +184,7 @@ class MTPDrafter(Drafter):
     def reset(self, prompt_tokens: Sequence[int], hidden: Optional[mx.array]):
         """prompt_tokens: [N]; hidden: [N-1, H] for x_0..x_{N-2} (None if N == 1)."""
         self.cache = self.head.make_cache()  # its window: head.attention_window
-        self._pending, self._judged = [], []
+        self._pending, self._judged = DeferredRows(), []
         self._walk = OneDraftWalk()
         self.last_draft_logits = None
         self._logits = self._hm = None
@@ -333,7 +334,7 @@ class MTPDrafter(Drafter):
             raise ValueError(
                 f"accept: {hidden.shape[0]} hidden states for {len(emitted)} tokens"
             )
-        self._pending.append((mx.array(list(emitted), dtype=mx.uint32), hidden))
+        self._pending.add(mx.array(list(emitted), dtype=mx.uint32), hidden)
         if self.pending_rows >= self.pending_limit:
             self._run_pending()  # bounds the hidden states held
 
@@ -357,7 +358,7 @@ class MTPDrafter(Drafter):
     @property
     def pending_rows(self) -> int:
         """Accepted rows not yet run through the head."""
-        return sum(t.size for t, _ in self._pending)
+        return self._pending.rows
 
     def take_pending(self):
         """The deferred accepted rows, (tokens [L], hidden [L, H]), for a
@@ -365,19 +366,18 @@ class MTPDrafter(Drafter):
         :meth:`set_last_row`; None when there are none."""
         if not self._pending:
             return None
-        tokens, hidden = zip(*self._pending)
-        self._pending = []
+        tokens, hidden = zip(*self._pending.take())
         return mx.concatenate(tokens), mx.concatenate(hidden)
 
     def take_deferred(self) -> List[Tuple[mx.array, mx.array]]:
         """The deferred rows handed over unrun: (tokens [L], hidden [L, H])
         per pass, copied out of the pass outputs they are slices of."""
-        rows, self._pending = self._pending, []
+        rows = self._pending.take()
         at = list(accumulate(t.size for t, _ in rows))[:-1]
         return list(zip(*(mx.split(mx.concatenate(x), at) for x in zip(*rows))))
 
     def put_deferred(self, rows: List[Tuple[mx.array, mx.array]]):
-        self._pending += list(rows)  # after any deferred now
+        self._pending.extend(rows)  # after any deferred now
 
     def set_last_row(self, hm: mx.array, logits: mx.array, rows: int):
         """``rows`` verified rows were run elsewhere; hm [1, 1, H] and logits
