@@ -14,7 +14,10 @@ class FakeHead:
     def __init__(self, vocab=16):
         self.vocab, self.d1, self.drafts, self.looked = vocab, 0, 0, 0
 
-    has_rows, pending_rows = True, 0
+    pending_rows = 0
+
+    def can_draft(self):
+        return True
 
     def next_logits(self):
         self.looked += 1
@@ -42,6 +45,9 @@ class FakeCopy:
 
     def match_length(self):
         return self.match
+
+    def can_draft(self):
+        return bool(self.copy)
 
     def accept(self, emitted):
         pass
@@ -84,9 +90,10 @@ def test_draft_source_names_who_drafts_next_without_running_the_head():
     d = _drafter()
     d.ngram.copy, d.mtp.d1 = [], 5
     assert d.draft_source(3) == "mtp" and d.mtp.looked == 0  # no copy: the head
-    d.mtp.has_rows = False
-    assert d.draft_source(3) is None  # nothing to draft from
+    d.mtp.can_draft = lambda: False
+    assert d.draft_source(3) is None and not d.can_draft()  # nothing to draft from
     d.ngram.copy, d.ngram.match = [5, 6], 3
+    assert d.can_draft()  # the copy, with no head row
     assert d.draft_source(3) == "ngram" and d.mtp.looked == 0  # a full match
     d.ngram.match, d.mtp.d1 = 1, 9  # a partial match the head disagrees with
     assert d.draft_source(3) == "mtp" and d.mtp.looked == 1

@@ -81,6 +81,7 @@ def test_incremental_index_equals_brute_force(tokens, split, k, max_ngram):
     d = drafter(tokens[:split], max_ngram)
     d.accept(tokens[split:])
     assert d.draft(k) == brute_force(tokens, k, max_ngram)
+    assert d.can_draft() == bool(brute_force(tokens, 1, max_ngram))
 
 
 def _brute_first_token(history, max_ngram):

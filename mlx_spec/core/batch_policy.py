@@ -188,6 +188,8 @@ def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int
             ks[b] = caps[b] = 0
             continue
         caps[b] = room if row.policy is None else min(room, row.decoder.max_draft)
+        if not row.decoder.drafter.can_draft():
+            caps[b] = 0  # no copy to make: one token, whatever its acceptance
         # its source (heads are caught up later, together)
         if row.policy is not None:
             judged += row.policy.exchange(row.decoder.drafter)
@@ -196,7 +198,7 @@ def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int
         if head is not None and (source == "mtp" or head is row.decoder.drafter):
             heads.add(b)
         if row.policy is None:
-            ks[b] = room
+            ks[b] = caps[b]
         else:
             row.policy.select(source)
             auto.append(b)

@@ -20,6 +20,9 @@ required; the rest have defaults that a simple drafter never touches:
 - ``draft_tokens(k)``: optional, ``draft`` without a host synchronisation: the
   tokens as a lazy ``mx.array`` [m] that the verify pass evaluates together
   with its own outputs (one synchronisation per pass), or a list.
+- ``can_draft()``: False when the next draft is known to be empty without
+  running anything (an n-gram index with no match); True by default. A batch
+  counts such a row as one token, not as the draft its acceptance promises.
 - ``draft_source(k, look)``: the name of the source that drafts next (``mtp``:
   the MTP head, ``ngram``: a copy; ``mtp+ngram`` switches between them);
   ``auto`` keeps a draft-length policy per source.
@@ -116,6 +119,10 @@ class Drafter:
 
     def catch_up(self):
         """No deferred work by default."""
+
+    def can_draft(self) -> bool:
+        """Whether a draft now may hold a token (unknown: True)."""
+        return True
 
     def draft_source(self, k: int, look: bool = True) -> Optional[str]:
         """Which source would draft ``k`` tokens next (``look``: it may run

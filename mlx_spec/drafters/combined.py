@@ -127,6 +127,9 @@ class MTPNgramDrafter(Drafter):
             return False
         return not copy or self.ngram.match_length() < self.ngram.max_ngram
 
+    def can_draft(self) -> bool:
+        return self.mtp.can_draft() or self.ngram.can_draft()
+
     def draft_source(self, k: int, look: bool = True) -> Optional[str]:
         """The source of the next draft: "ngram" (a copy), "mtp" (the head)
         or None (nothing to draft). Without a copy the head is not run to
@@ -136,7 +139,7 @@ class MTPNgramDrafter(Drafter):
         with the better record is named then."""
         copy = self.ngram.draft(k)
         if not copy:
-            return "mtp" if self.mtp.has_rows else None
+            return "mtp" if self.mtp.can_draft() else None
         if not self.head_pays:
             return "ngram"
         partial = self.ngram.match_length() < self.ngram.max_ngram

@@ -118,10 +118,9 @@ class MTPDrafter(Drafter):
 
     def draft_source(self, k: int, look: bool = True) -> Optional[str]:
         """The source name ``"mtp"``; None before the head has a row."""
-        return "mtp" if self.has_rows else None
+        return "mtp" if self.can_draft() else None
 
-    @property
-    def has_rows(self) -> bool:
+    def can_draft(self) -> bool:
         """Whether the head has a verified row, run or deferred (it can draft)."""
         return self._logits is not None or bool(self._pending)
 

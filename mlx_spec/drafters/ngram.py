@@ -82,6 +82,10 @@ class NgramDrafter(Drafter):
                 return n, start
         return 0, None
 
+    def can_draft(self) -> bool:
+        """Whether the history's suffix was seen before (a copy to draft)."""
+        return self.match()[1] is not None
+
     def match_length(self) -> int:
         """Length of the longest suffix n-gram seen before (0: none)."""
         return self.match()[0]
