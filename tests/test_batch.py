@@ -305,46 +305,6 @@ def test_a_lone_copy_does_not_pay_for_its_pass(models):
     assert batch._copies_pay(lone)
 
 
-class _NothingToCopy(Drafter):
-    """A copy drafter whose index never matches; ``says``: it tells the batch
-    so (``can_draft``), else it is as unknown as any custom drafter."""
-
-    def __init__(self, says: bool):
-        self.says = says
-
-    def reset(self, prompt, hidden=None):
-        pass
-
-    def accept(self, tokens, hidden=None):
-        pass
-
-    def draft(self, k):
-        return []
-
-    def can_draft(self):
-        return not self.says
-
-
-@pytest.mark.parametrize("says", [True, False])
-def test_rows_with_nothing_to_copy_queue_their_plain_passes(models, says):
-    """Four ``auto`` rows whose acceptance promises 0.9 but which have no
-    copy to make. Said so, each counts as one token: the batch chooses plain
-    passes and queues each behind the last. Control: not said, the batch
-    chooses drafts that never come, and no pass is queued."""
-    model, _ = models["qwen3_next"]
-    batch = BatchDecoder(model, n_slots=4, max_draft=8)
-    for i in range(4):
-        prompt = prompts("random", seed=30 + i)
-        batch.add(fed_decoder(model, prompt, _NothingToCopy(says), 8), 24)
-    for row in batch.rows:
-        row.policy.select(None).acceptance = lambda: [0.9] * 8
-    queued = []
-    for _ in range(8):
-        batch.step()
-        queued.append(batch.queued)
-    assert queued == [says] * 8
-
-
 def test_a_head_row_does_not_draft_up_to_a_copy_rows_length(
     models, family, modelled_pass_costs
 ):

@@ -7,10 +7,13 @@ import mlx.core as mx
 import pytest
 
 import mlx_spec.core.policy as policy
+from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.batch_policy import PassLength, _catch_up
 from mlx_spec.core.policy import PROBE_EVERY
+from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
+from mlx_spec.testing.reference import fed_decoder, prompts
 
 # A single-sequence profile: 5 ms plus 1 ms per token verified (T = 1..9).
 PROFILE = [0.005 + 0.001 * T for T in range(1, 10)]
@@ -186,3 +189,43 @@ def test_the_catch_up_counts_every_member_padded_to_the_longest():
     assert _catch_up(rows, [0, 2]) == 3 * 5
     assert _catch_up(rows, [2]) == 3 * 2
     assert _catch_up(rows, [3]) == _catch_up(rows, []) == 0
+
+
+class _NothingToCopy(Drafter):
+    """A copy drafter whose index never matches; ``says``: it tells the batch
+    so (``can_draft``), else it is as unknown as any custom drafter."""
+
+    def __init__(self, says: bool):
+        self.says = says
+
+    def reset(self, prompt, hidden=None):
+        pass
+
+    def accept(self, tokens, hidden=None):
+        pass
+
+    def draft(self, k):
+        return []
+
+    def can_draft(self):
+        return not self.says
+
+
+@pytest.mark.parametrize("says", [True, False])
+def test_rows_with_nothing_to_copy_queue_their_plain_passes(models, says):
+    """Four ``auto`` rows whose acceptance promises 0.9 but which have no
+    copy to make. Said so, each counts as one token: the batch chooses plain
+    passes and queues each behind the last. Control: not said, the batch
+    chooses drafts that never come, and no pass is queued."""
+    model, _ = models["qwen3_next"]
+    batch = BatchDecoder(model, n_slots=4, max_draft=8)
+    for i in range(4):
+        prompt = prompts("random", seed=30 + i)
+        batch.add(fed_decoder(model, prompt, _NothingToCopy(says), 8), 24)
+    for row in batch.rows:
+        row.policy.select(None).acceptance = lambda: [0.9] * 8
+    queued = []
+    for _ in range(8):
+        batch.step()
+        queued.append(batch.queued)
+    assert queued == [says] * 8
