@@ -189,7 +189,7 @@ def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int
             continue
         caps[b] = room if row.policy is None else min(room, row.decoder.max_draft)
         if not row.decoder.drafter.can_draft():
-            caps[b] = 0  # no copy to make: one token, whatever its acceptance
+            caps[b] = 0  # no copy, no head row: one token, whatever its acceptance
         # its source (heads are caught up later, together)
         if row.policy is not None:
             judged += row.policy.exchange(row.decoder.drafter)
