@@ -16,6 +16,7 @@ import mlx_lm
 import pytest
 
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
+from mlx_spec.testing.server import free_ports
 
 PROMPT = "def fibonacci(n):"
 LAUNCH = [
@@ -26,7 +27,9 @@ LAUNCH = [
 
 
 def launch_argv(model, *args, command="generate"):
-    argv = LAUNCH + ["--backend", "ring", "-n", "2", sys.executable, "-m", "mlx_spec"]
+    # ports free now: mlx.launch's default ones may be held by another run's ranks
+    ring = ["--backend", "ring", "-n", "2", "--starting-port", str(free_ports(2))]
+    argv = LAUNCH + ring + [sys.executable, "-m", "mlx_spec"]
     argv += [command, "--pipeline", "--model", str(model)]
     return argv + (["--prompt", PROMPT] if command == "generate" else []) + list(args)
 
@@ -201,8 +204,7 @@ def test_pipeline_server_answers_as_mlx_lm(checkpoints):
     from mlx_spec.testing.server import free_port, wait_until_answers
 
     path, port = checkpoints["qwen3_5"], free_port()
-    argv = LAUNCH + ["--backend", "ring", "-n", "2", sys.executable, "-m", "mlx_spec"]
-    argv += ["server", "--pipeline", "--model", str(path), "--port", str(port)]
+    argv = launch_argv(path, "--port", str(port), command="server")
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.DEVNULL,

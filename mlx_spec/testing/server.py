@@ -19,6 +19,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, tries: int = 50) -> int:
+    """The first of ``n`` consecutive ports free on 127.0.0.1 now (a ring of
+    ``n`` local ranks listens on one each)."""
+    for _ in range(tries):
+        first = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first + 1, first + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports in {tries} tries")
+
+
 def _answers(port: int) -> bool:
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
