@@ -98,7 +98,8 @@ class _Output:
             "verify_passes": stats.verify_passes,
             "seconds": round(time.perf_counter() - self.tic, 6),
         }
-        self.job.put(Finished(reason, self.n, speculation))
+        stop_word = self.router.stop_word if reason == "stop" else None
+        self.job.put(Finished(reason, self.n, speculation, stop_word))
 
 
 def _top(logprobs: mx.array, n: int) -> List[tuple]:
