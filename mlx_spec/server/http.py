@@ -34,7 +34,8 @@ from .engine import Engine
 from .guard import guard_middleware
 from .requests import RequestError, ServerContext, completion_echo, field
 from .requests import openai_request
-from .wire import ClientGone, error_response, json_response, read_json_body, sse
+from .wire import MAX_BODY_BYTES, ClientGone, error_response, json_response
+from .wire import read_json_body, sse
 
 log = logging.getLogger("mlx_spec.server")
 
@@ -144,8 +145,14 @@ class Server:
     open requests; ``hidden`` are strings (the model's path) no message to a
     client may show, replaced by the model's id."""
 
-    def __init__(self, engine: Engine, ctx: ServerContext, hidden: Collection[str]):
-        self.engine, self.ctx = engine, ctx
+    def __init__(
+        self,
+        engine: Engine,
+        ctx: ServerContext,
+        hidden: Collection[str],
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ):
+        self.engine, self.ctx, self.max_body_bytes = engine, ctx, max_body_bytes
         self.hidden = sorted((h for h in hidden if h), key=len, reverse=True)
         self.generations = Generations()
         self.started = time.time()
@@ -182,7 +189,7 @@ class Server:
     async def _answer(self, request: Request, exchange_class):
         path = request.url.path
         try:
-            body = await read_json_body(request)
+            body = await read_json_body(request, self.max_body_bytes)
             exchange = await run_in_threadpool(exchange_class, path, body, self.ctx)
             job = (exchange.prompt, exchange.params, exchange.state)
             generation = Generation(self.engine, self.generations, request.receive, job)
@@ -236,11 +243,12 @@ def make_app(
     allow_origins: Collection[str] = (),
     api_key: Optional[str] = None,
     hidden: Collection[str] = (),
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> Starlette:
     """The ASGI application serving ``engine`` (``app.state.server``: its
     :class:`Server`); ``host``: the address bound (a loopback one turns the
-    Host check on)."""
-    server = Server(engine, ctx, hidden)
+    Host check on); ``hidden``: see :class:`Server`."""
+    server = Server(engine, ctx, hidden, max_body_bytes)
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/health", server.health, methods=["GET"]),
