@@ -14,6 +14,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import mlx_lm
@@ -474,6 +475,7 @@ def test_non_finite_logprobs_are_null_and_json_stays_standard():
             assert logprobs["top_logprobs"] == [{"<2>": -0.1, "<1>": None}]
     with pytest.raises(ValueError):
         json_bytes({"x": float("nan")})
+    assert json.loads(json_bytes({"x": "a\ud800"})) == {"x": "a\ud800"}
 
 
 def test_errors_name_the_model_id_not_its_path(tmp_path):
@@ -550,25 +552,46 @@ def _rest(sock, received) -> str:
         body, rest = body + rest[: int(size, 16)], rest[int(size, 16) + 2 :]
 
 
+def _decoding(port) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/health")
+    status = json.loads(conn.getresponse().read())
+    conn.close()
+    return status["decoding"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_ends_open_streams_with_their_last_event(tiny, sig):
-    """SIGTERM or SIGINT while an OpenAI and an Anthropic stream are open:
-    each ends with its final event and terminator, ``[DONE]`` or
-    ``message_stop``; then the process exits with status 0."""
+def test_a_signal_ends_open_requests_at_once(tiny, sig):
+    """SIGTERM or SIGINT while an OpenAI and an Anthropic stream and a
+    request not streamed are decoding: each stream ends with its final event
+    and terminator, ``[DONE]`` or ``message_stop``, the other request gets a
+    503; then the process exits with status 0."""
     port = free_port()
     long = {"max_tokens": 3000, "draft": "none"}
     with running_server(mlx_spec_server(tiny, port), port) as proc:
         oa = _open_stream(port, "/v1/completions", {"prompt": PROMPT, **long})
         an = _open_stream(port, "/v1/messages", {"messages": CHAT, **long})
+        whole = {}
+        body = {"prompt": "import os", **long}
+        asker = threading.Thread(
+            target=lambda: whole.update(
+                r=request(port, "POST", "/v1/completions", body)
+            )
+        )
+        asker.start()
+        _wait(lambda: _decoding(port) == 3, "three requests decode")
         proc.send_signal(sig)
         oa_text, an_text = _rest(*oa), _rest(*an)
         oa[0].close(), an[0].close()
+        asker.join(timeout=120)
         assert proc.wait(timeout=60) == 0
     assert oa_text.rstrip().endswith("data: [DONE]")
     last = json.loads(oa_text.split("data: ")[-2])
     assert last["choices"][0]["finish_reason"] == "cancelled"
     events = re.findall(r"event: (\w+)", an_text)
     assert events[-2:] == ["message_delta", "message_stop"]
+    status, _, reply = whole["r"]
+    assert status == 503 and "shutting down" in reply["error"]["message"]
 
 
 # -- the server command's flags --------------------------------------------

@@ -20,9 +20,13 @@ class ClientGone(Exception):
 
 
 def json_bytes(body) -> bytes:
-    """``body`` as standard JSON: ``NaN`` and ``Infinity`` are refused
-    (``ValueError``), never written."""
-    return json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+    """``body`` as standard JSON in UTF-8: ``NaN`` and ``Infinity`` are
+    refused (``ValueError``), never written; text UTF-8 cannot hold (a lone
+    surrogate a client sent) is written as ``\\u`` escapes."""
+    try:
+        return json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, allow_nan=False).encode()
 
 
 def json_response(status: int, body, close: bool = False) -> Response:
