@@ -112,8 +112,9 @@ class EventStream:
     the job hands over, then the exchange's tail (``[DONE]``). A shutdown
     ends the stream as a finish would; a client gone ends it silently."""
 
-    def __init__(self, exchange, generation: Generation, first: list):
+    def __init__(self, exchange, generation: Generation, first: list, scrub):
         self.exchange, self.generation, self.first = exchange, generation, first
+        self.scrub = scrub  # a message as a client may see it
 
     async def __call__(self, scope, receive, send):
         async def write(data: bytes, more: bool = True):
@@ -135,7 +136,8 @@ class EventStream:
             log.info("client went away mid-stream")
         except Exception as e:  # a failed generation: this stream only
             log.exception("stream failed")
-            await write(x.failure(f"generation failed: {type(e).__name__}: {e}"), False)
+            message = self.scrub(f"generation failed: {type(e).__name__}: {e}")
+            await write(x.failure(message), more=False)
         finally:
             generation.close()
 
@@ -207,7 +209,7 @@ class Server:
                 return json_response(200, exchange.body())
             first = await generation.next_batch()  # an error here is a status
             handed_over = True
-            return EventStream(exchange, generation, first)
+            return EventStream(exchange, generation, first, self.scrub)
         except ClientGone:
             log.info("client went away")
             return Response(status_code=400)  # nobody reads it
