@@ -53,7 +53,11 @@ def setup_parser():
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--model", help="Model directory (default: the bundled demo model).")
     p.add_argument(
-        "--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1)."
+        "--host",
+        default="127.0.0.1",
+        help="Address to bind (default: 127.0.0.1). Bound to a loopback address, "
+        "the server answers only requests for localhost, 127.0.0.1, [::1] or this "
+        "host (which stops DNS rebinding).",
     )
     p.add_argument(
         "--port", type=int, default=8080, help="Port, 0..65535 (0: a free one)."
@@ -70,6 +74,7 @@ def setup_parser():
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
+        metavar="KEY",
         help="Require this key on every route but /health (an 'Authorization: "
         f"Bearer KEY' or 'x-api-key: KEY' header). Default: ${API_KEY_ENV}, "
         "else no key.",
