@@ -17,7 +17,7 @@ import subprocess
 import threading
 import time
 
-import mlx_lm
+import openai
 import pytest
 
 import mlx_spec
@@ -93,11 +93,6 @@ def ports(tiny, engine):
     with serving(apps["plain"]) as a, serving(apps["secured"]) as b:
         with serving(apps["wide"]) as c:
             yield {"plain": a, "secured": b, "wide": c}
-
-
-@pytest.fixture(scope="module")
-def plain_model(tiny):
-    return mlx_lm.load(str(tiny))
 
 
 def request(port, method, path, body=None, headers=None, raw=None):
@@ -387,6 +382,13 @@ def test_the_api_key(ports):
         assert request(port, "POST", "/v1/completions", body, headers)[0] == 200
     assert request(port, "GET", "/v1/models")[0] == 401
     assert request(port, "GET", "/health")[0] == 200  # for load balancers
+    # the OpenAI client sends its api_key as a bearer token
+    url = f"http://127.0.0.1:{port}/v1"
+    client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
+    assert client.completions.create(prompt="x", max_tokens=2, model=MODEL_ID)
+    wrong = openai.OpenAI(base_url=url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(prompt="x", max_tokens=2, model=MODEL_ID)
 
 
 # -- protocol semantics ----------------------------------------------------
