@@ -2,8 +2,8 @@
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``
 (also ``/chat/completions``), ``POST /v1/completions`` and ``POST
-/v1/messages``. A handler reads and checks its request (off the event loop:
-tokenizing a long prompt takes a while), hands a job to the engine and
+/v1/messages``. A handler reads its request, parses and checks it off the
+event loop (a large body, a long prompt to tokenize take a while), hands a job to the engine and
 writes what the job produces, as one JSON object or as server-sent events
 (:mod:`.bridge` carries the engine thread's events to the handler). A
 malformed body, a bad field or a failed generation is a JSON error for that
@@ -35,7 +35,7 @@ from .guard import guard_middleware
 from .requests import RequestError, ServerContext, completion_echo, field
 from .requests import openai_request
 from .wire import MAX_BODY_BYTES, ClientGone, error_response, json_response
-from .wire import read_json_body, sse
+from .wire import parse_json_object, read_body, sse
 
 log = logging.getLogger("mlx_spec.server")
 
@@ -191,8 +191,10 @@ class Server:
     async def _answer(self, request: Request, exchange_class):
         path = request.url.path
         try:
-            body = await read_json_body(request, self.max_body_bytes)
-            exchange = await run_in_threadpool(exchange_class, path, body, self.ctx)
+            raw = await read_body(request, self.max_body_bytes)
+            exchange = await run_in_threadpool(
+                self._exchange, exchange_class, raw, path
+            )
             job = (exchange.prompt, exchange.params, exchange.state)
             generation = Generation(self.engine, self.generations, request.receive, job)
         except RequestError as e:
@@ -224,6 +226,11 @@ class Server:
         finally:
             if not handed_over:
                 generation.close()
+
+    def _exchange(self, exchange_class, raw: bytes, path: str):
+        """The request parsed and checked (on a worker thread: parsing a
+        large body, rendering the chat template and tokenizing take time)."""
+        return exchange_class(path, parse_json_object(raw), self.ctx)
 
     async def no_route(self, request: Request, exc: HTTPException) -> Response:
         path = request.url.path

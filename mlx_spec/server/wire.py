@@ -57,9 +57,9 @@ def sse(data, event: Optional[str] = None) -> bytes:
     return f"{head}data: {payload}\n\n".encode()
 
 
-async def read_json_body(request: Request, limit: int = MAX_BODY_BYTES) -> dict:
-    """The request's body as a JSON object; a :class:`RequestError` (413 past
-    ``limit`` bytes, 400 for anything that is not a JSON object) otherwise."""
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request's body; a :class:`RequestError` (413) past ``limit`` bytes,
+    refused from a declared length before any byte is read."""
     declared = request.headers.get("content-length")
     too_big = f"the body must be at most {limit} bytes"
     if declared is not None and declared.isdecimal() and int(declared) > limit:
@@ -73,8 +73,14 @@ async def read_json_body(request: Request, limit: int = MAX_BODY_BYTES) -> dict:
             chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone() from None
+    return b"".join(chunks)
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """``raw`` as a JSON object; a :class:`RequestError` (400) for anything
+    else, a structure nested too deeply to parse included."""
     try:
-        body = json.loads(b"".join(chunks).decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(f"the body is not valid JSON: {e}") from None
     except RecursionError:
