@@ -62,9 +62,9 @@ class Generations:
 
 
 class Generation:
-    """One request's job, submitted to ``engine``, and its events; use it as
-    an ``async with`` block (or call :meth:`close`), which cancels a job not
-    finished and stops watching the connection."""
+    """One request's job, submitted to ``engine``, and its events. Call
+    :meth:`close` when done with it: it cancels a job not finished and stops
+    watching the connection."""
 
     def __init__(self, engine: Engine, registry: Generations, receive, job_args):
         if registry.closing:
@@ -90,12 +90,6 @@ class Generation:
 
     def signal(self, what: str):
         self.queue.put_nowait(what)
-
-    async def __aenter__(self) -> "Generation":
-        return self
-
-    async def __aexit__(self, *exc):
-        self.close()
 
     def close(self):
         if not self.finished:
