@@ -58,6 +58,7 @@ class Generations:
         """End every open request (call on the event loop's thread)."""
         self.closing = True
         for generation in list(self.open):
+            generation.job.cancel()  # even if its handler never runs again
             generation.signal(_SHUTDOWN)
 
 
