@@ -1,8 +1,8 @@
 """The generation worker: every request decoded speculatively and losslessly,
 the requests in flight verified together in one target pass per step.
 
-The HTTP handlers hand a :class:`Job` to :meth:`Engine.submit` and read its
-events (:mod:`.bridge`). One worker thread owns the model: between passes it takes waiting jobs
+HTTP handlers hand a :class:`Job` to :meth:`Engine.submit` and read its
+events. One worker thread owns the model: between passes it takes waiting jobs
 while the batch has room (each continuing the longest kept decoder state its
 prompt extends, so only new tokens are prefilled), prefills them in chunks of
 ``prefill_chunk`` tokens, one chunk between two passes while requests decode
