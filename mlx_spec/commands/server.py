@@ -5,20 +5,22 @@ Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``,
 ``POST /v1/completions`` and ``POST /v1/messages``. Binds to 127.0.0.1 unless
 told otherwise; ``--port 0`` picks a free port. Once it accepts connections
 it prints one line, ``[mlx_spec server] listening on http://HOST:PORT ...``.
+Every flag is checked before the model loads; a bad one is refused with one
+line naming it.
 """
 
 import argparse
 import json
 import logging
+import math
 import os
-import signal
+import re
 import sys
-import threading
 
 
 from ..drafters import default_draft
 from ..server.engine import Engine, PipelineEngine
-from ..server.http import make_server
+from ..server.http import bind, make_app, serve
 from ..server.requests import ServerContext
 from .common import (
     CommandError,
@@ -31,6 +33,8 @@ from .common import (
 )
 
 PROG = "mlx_spec server"
+API_KEY_ENV = "MLX_SPEC_API_KEY"
+ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
 
 
 def _size(text: str) -> int:
@@ -49,9 +53,32 @@ def setup_parser():
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--model", help="Model directory (default: the bundled demo model).")
     p.add_argument(
-        "--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1)."
+        "--host",
+        default="127.0.0.1",
+        help="Address to bind (default: 127.0.0.1). Bound to a loopback address, "
+        "the server answers only requests for localhost, 127.0.0.1, [::1] or this "
+        "host (which stops DNS rebinding).",
     )
-    p.add_argument("--port", type=int, default=8080, help="Port (0: a free one).")
+    p.add_argument(
+        "--port", type=int, default=8080, help="Port, 0..65535 (0: a free one)."
+    )
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="A web origin (e.g. http://localhost:3000; '*': any) whose pages may "
+        "use the server from a browser (CORS); repeatable. Default: none, and "
+        "requests from other pages are refused.",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        metavar="KEY",
+        help="Require this key on every route but /health (an 'Authorization: "
+        f"Bearer KEY' or 'x-api-key: KEY' header). Default: ${API_KEY_ENV}, "
+        "else no key.",
+    )
     add_draft_options(p)
     p.add_argument(
         "--temp", type=float, default=0.0, help="Default sampling temperature."
@@ -115,19 +142,57 @@ def config_int(model, name: str):
     return None
 
 
+def _check_range(flag: str, value, low=None, high=None, finite=False):
+    if finite and not math.isfinite(value):
+        raise CommandError(f"{flag} must be a finite number, got {value}")
+    if low is not None and value < low or high is not None and value > high:
+        bounds = f">= {low}" if high is None else f"in {low}..{high}"
+        raise CommandError(f"{flag} must be {bounds}, got {value}")
+
+
+def check_flags(args):
+    """A :class:`CommandError` naming the first flag out of its range (before
+    anything loads, so no client is ever blamed for a server default)."""
+    _check_range("--port", args.port, 0, 65535)
+    _check_range("--temp", args.temp, 0, finite=True)
+    _check_range("--top-p", args.top_p, 0, 1, finite=True)
+    _check_range("--top-k", args.top_k, 0)
+    _check_range("--min-p", args.min_p, 0, 1, finite=True)
+    _check_range("--max-tokens", args.max_tokens, 1)
+    _check_range("--prompt-cache-size", args.prompt_cache_size, 0)
+    _check_range("--prompt-cache-bytes", args.prompt_cache_bytes, 0)
+    _check_range("--decode-concurrency", args.decode_concurrency, 1)
+    _check_range("--prefill-step-size", args.prefill_step_size, 1)
+    _check_range("--prefill-chunk", args.prefill_chunk, 1)
+    for origin in args.allow_origin:
+        if origin != "*" and not ORIGIN.fullmatch(origin):
+            raise CommandError(
+                f"--allow-origin must be '*' or scheme://host[:port] (no path), "
+                f"got {origin!r}"
+            )
+    if args.api_key is not None and not args.api_key.strip():
+        raise CommandError("--api-key must not be empty")
+    if not isinstance(args.chat_template_args, dict):
+        raise CommandError("--chat-template-args must be a JSON object")
+
+
 @command(PROG)
 def main(argv=None):
     args = setup_parser().parse_args(argv)
+    check_flags(args)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(message)s"
     )
-    if not isinstance(args.chat_template_args, dict):
-        raise CommandError("--chat-template-args must be a JSON object")
     group = join_pipeline(args)
     path, model, tokenizer = load_model(
         args.model, mtp_path=args.mtp_path, pipeline_group=group
     )
     draft = args.draft or default_draft(model)
+    vocab_size = config_int(model, "vocab_size")
+    if vocab_size is not None and args.top_k >= vocab_size:
+        raise CommandError(
+            f"--top-k must be below the vocabulary size {vocab_size}, got {args.top_k}"
+        )
     engine_class, extra = Engine, {}
     if group is not None:
         engine_class, extra = PipelineEngine, {"group": group}
@@ -160,31 +225,29 @@ def main(argv=None):
             "max_tokens": args.max_tokens,
         },
         context_length=config_int(model, "max_position_embeddings"),
-        vocab_size=config_int(model, "vocab_size"),
+        vocab_size=vocab_size,
         chat_template_args=args.chat_template_args,
     )
     with bad_input(OSError):
-        server = make_server(args.host, args.port, engine, ctx)
-    host, port = server.server_address[:2]
-    stop = threading.Event()
-
-    def shut_down(*_):
-        if not stop.is_set():
-            stop.set()
-            threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, shut_down)
+        sock = bind(args.host, args.port)
+    app = make_app(
+        engine,
+        ctx,
+        host=args.host,
+        allow_origins=args.allow_origin,
+        api_key=args.api_key,
+        hidden=(str(path), str(path.resolve())),
+    )
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
     print(
         f"[mlx_spec server] listening on http://{host}:{port} "
         f"(model {ctx.model_id!r} from {path}, draft {draft})",
         flush=True,
     )
     try:
-        server.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
+        serve(app, sock, args.log_level)
     finally:
-        server.server_close()
         engine.close()
     _exit_after_serving()
 

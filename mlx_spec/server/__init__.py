@@ -1,5 +1,7 @@
-"""``mlx_spec server``'s parts: the HTTP front (``http.py``), request checking
-(``requests.py``), OpenAI's and Anthropic's response shapes (``openai.py``,
-``anthropic.py``), the batching generation worker (``engine.py``, with the
-jobs and events of ``events.py``) and the kept conversation states
-(``state_cache.py``). See docs/serving.md."""
+"""``mlx_spec server``'s parts: the HTTP front (``http.py``, Starlette on
+uvicorn, with ``wire.py``: bodies, JSON, events and errors; ``guard.py``: the
+Host, Origin and API key checks; ``bridge.py``: the engine's events to the
+async handlers), request checking (``requests.py``), OpenAI's and Anthropic's
+response shapes (``openai.py``, ``anthropic.py``), the batching generation
+worker (``engine.py``, with the jobs and events of ``events.py``) and the kept
+conversation states (``state_cache.py``). See docs/serving.md."""

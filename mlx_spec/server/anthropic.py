@@ -25,9 +25,14 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 
 
 def error_body(message: str, status: int) -> dict:
-    kind = {404: "not_found_error", 413: "request_too_large"}.get(
-        status, "invalid_request_error" if status < 500 else "api_error"
-    )
+    kinds = {
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        503: "overloaded_error",
+    }
+    kind = kinds.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
@@ -156,9 +161,11 @@ class MessageResponse:
         self.blocks: List[Dict[str, Any]] = []
         self.started: Optional[Started] = None
         self.finished: Optional[Finished] = None
-        self.stop_sequence: Optional[str] = None
 
     def _message(self, content, stop_reason=None, output_tokens=0) -> dict:
+        # input_tokens: the prompt's tokens not read from a kept state
+        prompt = self.started.prompt_tokens if self.started else 0
+        cached = self.started.cached_tokens if self.started else 0
         return {
             "id": self.id,
             "type": "message",
@@ -166,12 +173,10 @@ class MessageResponse:
             "model": self.model_id,
             "content": content,
             "stop_reason": stop_reason,
-            "stop_sequence": None,
+            "stop_sequence": self.stop_sequence(),
             "usage": {
-                "input_tokens": self.started.prompt_tokens if self.started else 0,
-                "cache_read_input_tokens": (
-                    self.started.cached_tokens if self.started else 0
-                ),
+                "input_tokens": prompt - cached,
+                "cache_read_input_tokens": cached,
                 "output_tokens": output_tokens,
             },
         }
@@ -212,7 +217,10 @@ class MessageResponse:
             self.finished = event
             delta = {
                 "type": "message_delta",
-                "delta": {"stop_reason": self.stop_reason(), "stop_sequence": None},
+                "delta": {
+                    "stop_reason": self.stop_reason(),
+                    "stop_sequence": self.stop_sequence(),
+                },
                 "usage": {"output_tokens": event.completion_tokens},
                 "speculation": event.speculation,
             }
@@ -263,7 +271,15 @@ class MessageResponse:
         return [("content_block_stop", {"type": "content_block_stop", "index": index})]
 
     def stop_reason(self) -> str:
+        if self.stop_sequence() is not None:
+            return "stop_sequence"
         return STOP_REASONS.get(self.finished.reason, "end_turn")
+
+    def stop_sequence(self) -> Optional[str]:
+        """The stop sequence that ended the reply (None: none did, or not yet)."""
+        if self.finished is None or self.finished.reason != "stop":
+            return None
+        return self.finished.stop_sequence
 
     def body(self) -> dict:
         content = [{k: v for k, v in b.items() if k != "_closed"} for b in self.blocks]

@@ -1,7 +1,7 @@
 """The generation worker: every request decoded speculatively and losslessly,
 the requests in flight verified together in one target pass per step.
 
-HTTP threads hand a :class:`Job` to :meth:`Engine.submit` and read its
+HTTP handlers hand a :class:`Job` to :meth:`Engine.submit` and read its
 events. One worker thread owns the model: between passes it takes waiting jobs
 while the batch has room (each continuing the longest kept decoder state its
 prompt extends, so only new tokens are prefilled), prefills them in chunks of
@@ -98,7 +98,8 @@ class _Output:
             "verify_passes": stats.verify_passes,
             "seconds": round(time.perf_counter() - self.tic, 6),
         }
-        self.job.put(Finished(reason, self.n, speculation))
+        stop_word = self.router.stop_word if reason == "stop" else None
+        self.job.put(Finished(reason, self.n, speculation, stop_word))
 
 
 def _top(logprobs: mx.array, n: int) -> List[tuple]:

@@ -66,6 +66,7 @@ class Finished:
     reason: str  # "stop", "length", "tool_calls", "cancelled"
     completion_tokens: int
     speculation: Dict[str, Any]
+    stop_sequence: Optional[str] = None  # the stop word that ended the reply
 
 
 class Job:
@@ -108,13 +109,15 @@ class TextRouter:
         self.previous = initial
         self.tail = ""  # the last raw characters, to find stop words across chunks
         self.tool_text, self.made_tool_call, self.stopped = "", False, False
+        self.stop_word: Optional[str] = None  # the one that ended the reply
 
     def _cut_at_stop(self, text: str) -> str:
         window = self.tail + text
-        ends = [window.find(s) + len(s) for s in self.stops if s in window]
+        ends = [(window.find(s) + len(s), s) for s in self.stops if s in window]
         if ends:  # an earlier match would have been found before: it ends here
+            end, self.stop_word = min(ends)
             self.stopped = True
-            text = text[: min(ends) - len(self.tail)]
+            text = text[: end - len(self.tail)]
         keep = max(map(len, self.stops)) - 1
         self.tail = (self.tail + text)[-keep:] if keep else ""
         return text

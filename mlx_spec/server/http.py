@@ -1,240 +1,342 @@
-"""The HTTP front: routes, request bodies, JSON and server-sent events.
+"""The HTTP front: a Starlette application served by uvicorn.
 
-Every handler thread parses and checks its request, hands a job to the
-engine and writes what the job produces. A malformed body, a bad field or a
-failed generation is a JSON error for that client only (OpenAI's shape, or
-Anthropic's on ``/v1/messages``); the server keeps serving.
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``
+(also ``/chat/completions``), ``POST /v1/completions`` and ``POST
+/v1/messages``. A handler reads its request, parses and checks it off the
+event loop (a large body, a long prompt to tokenize take a while), hands a job to the engine and
+writes what the job produces, as one JSON object or as server-sent events
+(:mod:`.bridge` carries the engine thread's events to the handler). A
+malformed body, a bad field or a failed generation is a JSON error for that
+client only, in the endpoint's API's shape; the connection then closes, so no
+unread byte of that request is ever taken for another. uvicorn (with h11)
+does the HTTP/1.1 framing.
 """
 
-import json
+import asyncio
 import logging
-import queue
-import select
+import signal
 import socket
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator
+from typing import Callable, Collection, Optional
+
+import uvicorn
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from . import anthropic, openai
+from .bridge import Generation, Generations, ShuttingDown
 from .engine import Engine
-from .events import Finished, Job
-from .requests import RequestError, ServerContext, field, openai_request
+from .guard import guard_middleware
+from .requests import RequestError, ServerContext, completion_echo, field
+from .requests import openai_request
+from .wire import MAX_BODY_BYTES, ClientGone, error_response, json_response
+from .wire import parse_json_object, read_body, sse
 
 log = logging.getLogger("mlx_spec.server")
 
-MAX_BODY_BYTES = 16 << 20
-POLL_SECONDS = 0.25
+SHUTDOWN_GRACE_SECONDS = 30  # the longest a stop waits for open connections
+
+STREAM_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # proxies must not hold events back
+]
 
 
-class SpecServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+class OpenAIExchange:
+    """One ``/v1/chat/completions`` or ``/v1/completions`` request: its
+    prompt and parameters, and its response as JSON or events."""
 
-    def __init__(self, address, engine: Engine, ctx: ServerContext):
-        self.engine, self.ctx = engine, ctx
-        super().__init__(address, Handler)
-
-
-class Handler(BaseHTTPRequestHandler):
-    server: SpecServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, fmt, *args):
-        log.info("%s %s", self.address_string(), fmt % args)
-
-    # -- plumbing ------------------------------------------------------------
-    def _send_json(self, status: int, body: dict):
-        data = json.dumps(body, ensure_ascii=False).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _error(self, status: int, message: str, param=None):
-        if self.path.startswith("/v1/messages"):
-            body = anthropic.error_body(message, status)
-        else:
-            body = openai.error_body(message, status, param)
-        try:
-            self._send_json(status, body)
-        except OSError:
-            pass  # the client is gone
-
-    def _start_stream(self):
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-
-    def _sse(self, data, event=None):
-        head = f"event: {event}\n" if event else ""
-        payload = (
-            data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    def __init__(self, path: str, body: dict, ctx: ServerContext):
+        chat = path.endswith("chat/completions")
+        self.stream = field(body, "stream", "bool", False)
+        options = field(body, "stream_options", "dict", {})
+        self.include_usage = options.get("include_usage") is True
+        echo = "" if chat else completion_echo(body)
+        self.prompt, self.state, params = openai_request(path, body, ctx)
+        self.response = openai.OpenAIResponse(
+            chat, ctx.model_id, params, ctx.tokenizer, echo=echo
         )
-        self.wfile.write(f"{head}data: {payload}\n\n".encode())
-        self.wfile.flush()
+        self.params = params
 
-    def _client_alive(self) -> bool:
-        """False once the client closed its side of the connection."""
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            if not readable:
-                return True
-            return self.connection.recv(1, socket.MSG_PEEK) != b""
-        except (OSError, ValueError):
-            return False
+    def add(self, events):
+        for event in events:
+            self.response.add(event)
 
-    def _read_body(self) -> dict:
-        length = self.headers.get("Content-Length")
-        if length is None:
-            raise RequestError("a Content-Length header is required", status=411)
-        try:
-            length = int(length)
-        except ValueError:
-            raise RequestError(f"invalid Content-Length {length!r}") from None
-        if not 0 <= length <= MAX_BODY_BYTES:
-            raise RequestError(f"the body must be at most {MAX_BODY_BYTES} bytes", 413)
-        raw = self.rfile.read(length)
-        try:
-            body = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RequestError(f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise RequestError("the body must be a JSON object")
-        return body
+    def body(self) -> dict:
+        return self.response.body()
 
-    def _batches(self, job: Job, alive: Callable[[], bool]) -> Iterator[list]:
-        """The job's events, as handed over (a pass's together), until
-        ``Finished``; cancels it when ``alive()`` turns false (then keeps
-        draining until the engine lets go)."""
-        engine = self.server.engine
-        while True:
+    def events(self, events) -> bytes:
+        return b"".join(sse(chunk) for chunk in self.response.stream(events))
+
+    def tail(self) -> bytes:
+        usage = sse(self.response.usage_chunk()) if self.include_usage else b""
+        return usage + sse("[DONE]")
+
+    def failure(self, message: str) -> bytes:
+        return sse({"error": {"message": message, "type": "server_error"}})
+
+
+class MessagesExchange:
+    """One ``/v1/messages`` request (Anthropic's Messages API)."""
+
+    def __init__(self, path: str, body: dict, ctx: ServerContext):
+        self.stream = field(body, "stream", "bool", False)
+        self.prompt, self.state, self.params = anthropic.messages_request(body, ctx)
+        self.response = anthropic.MessageResponse(ctx.model_id)
+
+    def add(self, events):
+        for event in events:
+            self.response.add(event)
+
+    def body(self) -> dict:
+        return self.response.body()
+
+    def events(self, events) -> bytes:
+        return b"".join(sse(d, event=n) for n, d in self.response.stream(events))
+
+    def tail(self) -> bytes:
+        return b""  # message_stop came with the finish
+
+    def failure(self, message: str) -> bytes:
+        return sse(anthropic.error_body(message, 500), event="error")
+
+
+class EventStream:
+    """The ASGI response of a streamed request: the events of the batches
+    the job hands over, then the exchange's tail (``[DONE]``). A shutdown
+    ends the stream as a finish would; a client gone ends it silently."""
+
+    def __init__(self, exchange, generation: Generation, first: list, scrub):
+        self.exchange, self.generation, self.first = exchange, generation, first
+        self.scrub = scrub  # a message as a client may see it
+
+    async def __call__(self, scope, receive, send):
+        async def write(data: bytes, more: bool = True):
+            await send({"type": "http.response.body", "body": data, "more_body": more})
+
+        x, generation = self.exchange, self.generation
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS}
+        )
+        try:
+            await write(x.events(self.first))
             try:
-                events = job.get(POLL_SECONDS)
-            except queue.Empty:
-                if not engine.healthy:
-                    raise RuntimeError("the generation worker has stopped") from None
-                if not job.cancelled and not alive():
-                    job.cancel()
-                continue
-            for event in events:
-                if isinstance(event, Exception):
-                    raise event
-            yield events
-            if any(isinstance(event, Finished) for event in events):
-                return
+                async for events in generation.batches():
+                    await write(x.events(events))
+            except ShuttingDown:
+                await write(x.events([generation.cut_short()]))
+            await write(x.tail(), more=False)
+        except ClientGone:
+            log.info("client went away mid-stream")
+        except Exception as e:  # a failed generation: this stream only
+            log.exception("stream failed")
+            message = self.scrub(f"generation failed: {type(e).__name__}: {e}")
+            await write(x.failure(message), more=False)
+        finally:
+            generation.close()
 
-    def _events(self, job: Job, alive: Callable[[], bool]) -> Iterator:
-        """The job's events one by one (see :meth:`_batches`)."""
-        for events in self._batches(job, alive):
-            yield from events
+
+class Server:
+    """The application's state: the engine, what requests need to know, the
+    open requests; ``hidden`` are strings (the model's path) no message to a
+    client may show, replaced by the model's id."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        ctx: ServerContext,
+        hidden: Collection[str],
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ):
+        self.engine, self.ctx, self.max_body_bytes = engine, ctx, max_body_bytes
+        self.hidden = sorted((h for h in hidden if h), key=len, reverse=True)
+        self.generations = Generations()
+        self.started = time.time()
+
+    def scrub(self, message: str) -> str:
+        for text in self.hidden:
+            message = message.replace(text, self.ctx.model_id)
+        return message
+
+    def error(self, path: str, status: int, message: str, param=None) -> Response:
+        return error_response(path, status, self.scrub(message), param)
 
     # -- routes --------------------------------------------------------------
-    def do_GET(self):
-        ctx = self.server.ctx
-        if self.path in ("/health", "/v1/health"):
-            engine = self.server.engine
-            status = {"status": "ok" if engine.healthy else "error", **engine.status()}
-            self._send_json(200 if engine.healthy else 503, status)
-        elif self.path == "/v1/models":
-            model = {
-                "id": ctx.model_id,
-                "object": "model",
-                "created": int(self.server.started),
-                "owned_by": "mlx_spec",
-            }
-            self._send_json(200, {"object": "list", "data": [model]})
-        else:
-            self._error(404, f"no route GET {self.path}")
+    async def health(self, request: Request) -> Response:
+        engine = self.engine
+        status = {"status": "ok" if engine.healthy else "error", **engine.status()}
+        return json_response(200 if engine.healthy else 503, status)
 
-    def do_POST(self):
-        routes = {
-            "/v1/chat/completions": self._openai,
-            "/chat/completions": self._openai,
-            "/v1/completions": self._openai,
-            "/v1/messages": self._messages,
+    async def models(self, request: Request) -> Response:
+        model = {
+            "id": self.ctx.model_id,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": "mlx_spec",
         }
-        route = routes.get(self.path.split("?")[0])
+        return json_response(200, {"object": "list", "data": [model]})
+
+    async def openai(self, request: Request) -> Response:
+        return await self._answer(request, OpenAIExchange)
+
+    async def messages(self, request: Request) -> Response:
+        return await self._answer(request, MessagesExchange)
+
+    async def _answer(self, request: Request, exchange_class):
+        path = request.url.path
         try:
-            if route is None:
-                raise RequestError(f"no route POST {self.path}", status=404)
-            body = self._read_body()
-            route(body)
+            raw = await read_body(request, self.max_body_bytes)
+            exchange = await run_in_threadpool(
+                self._exchange, exchange_class, raw, path
+            )
+            job = (exchange.prompt, exchange.params, exchange.state)
+            generation = Generation(self.engine, self.generations, request.receive, job)
         except RequestError as e:
-            self._error(e.status, str(e), e.param)
-        except (BrokenPipeError, ConnectionResetError):
+            return self.error(path, e.status, str(e), e.param)
+        except ClientGone:
+            return Response(status_code=400)  # nobody reads it
+        except ShuttingDown:
+            return self.error(path, 503, "the server is shutting down")
+        handed_over = False  # to the stream, which closes it
+        try:
+            if not exchange.stream:
+                async for events in generation.batches():
+                    exchange.add(events)
+                return json_response(200, exchange.body())
+            first = await generation.next_batch()  # an error here is a status
+            handed_over = True
+            return EventStream(exchange, generation, first, self.scrub)
+        except ClientGone:
             log.info("client went away")
+            return Response(status_code=400)  # nobody reads it
+        except ShuttingDown:
+            return self.error(path, 503, "the server is shutting down")
         except ValueError as e:  # options the engine refused (e.g. no MTP head)
-            self._error(400, str(e))
+            return self.error(path, 400, str(e))
         except Exception as e:  # a failed generation: this request only
             log.exception("request failed")
-            self._error(500, f"generation failed: {type(e).__name__}: {e}")
+            message = f"generation failed: {type(e).__name__}: {e}"
+            return self.error(path, 500, message)
+        finally:
+            if not handed_over:
+                generation.close()
 
-    def _openai(self, body):
-        ctx, engine = self.server.ctx, self.server.engine
-        stream = field(body, "stream", "bool", False)
-        options = field(body, "stream_options", "dict", {})
-        prompt, state, params = openai_request(self.path, body, ctx)
-        chat = "chat" in self.path
-        job = engine.submit(Job(prompt, params, state))
-        response = openai.OpenAIResponse(chat, ctx.model_id, params, ctx.tokenizer)
-        if not stream:
-            for event in self._events(job, self._client_alive):
-                response.add(event)
-            return self._send_json(200, response.body())
-        self._stream(job, response, options.get("include_usage", False))
+    def _exchange(self, exchange_class, raw: bytes, path: str):
+        """The request parsed and checked (on a worker thread: parsing a
+        large body, rendering the chat template and tokenizing take time)."""
+        return exchange_class(path, parse_json_object(raw), self.ctx)
 
-    def _stream(self, job, response, include_usage):
-        started = False
-        try:
-            for events in self._batches(job, lambda: True):
-                if not started:  # headers once the prompt is accepted
-                    self._start_stream()
-                    started = True
-                for chunk in response.stream(events):
-                    self._sse(chunk)
-            if include_usage:
-                self._sse(response.usage_chunk())
-            self._sse("[DONE]")
-        except OSError:
-            job.cancel()  # the client went away mid-stream
-            raise
-        except Exception as e:
-            if not started:
-                raise
-            self._sse({"error": {"message": str(e), "type": "server_error"}})
+    async def no_route(self, request: Request, exc: HTTPException) -> Response:
+        path = request.url.path
+        if exc.status_code == 405:
+            return self.error(path, 405, f"{request.method} is not allowed on {path}")
+        if exc.status_code == 404:
+            return self.error(path, 404, f"no route {request.method} {path}")
+        return self.error(path, exc.status_code, str(exc.detail))
 
-    def _messages(self, body):
-        ctx, engine = self.server.ctx, self.server.engine
-        stream = field(body, "stream", "bool", False)
-        prompt, state, params = anthropic.messages_request(body, ctx)
-        job = engine.submit(Job(prompt, params, state))
-        response = anthropic.MessageResponse(ctx.model_id)
-        if not stream:
-            for event in self._events(job, self._client_alive):
-                response.add(event)
-            return self._send_json(200, response.body())
-        started = False
-        try:
-            for events in self._batches(job, lambda: True):
-                if not started:
-                    self._start_stream()
-                    started = True
-                for name, data in response.stream(events):
-                    self._sse(data, event=name)
-        except OSError:
-            job.cancel()
-            raise
-        except Exception as e:
-            if not started:
-                raise
-            self._sse(anthropic.error_body(str(e), 500), event="error")
+    async def failed(self, request: Request, exc: Exception) -> Response:
+        log.error("request failed", exc_info=exc)
+        return self.error(request.url.path, 500, f"{type(exc).__name__}: {exc}")
 
 
-def make_server(host: str, port: int, engine: Engine, ctx: ServerContext) -> SpecServer:
-    server = SpecServer((host, port), engine, ctx)
-    server.started = time.time()
-    return server
+def make_app(
+    engine: Engine,
+    ctx: ServerContext,
+    host: str = "127.0.0.1",
+    allow_origins: Collection[str] = (),
+    api_key: Optional[str] = None,
+    hidden: Collection[str] = (),
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> Starlette:
+    """The ASGI application serving ``engine`` (``app.state.server``: its
+    :class:`Server`); ``host``: the address bound (a loopback one turns the
+    Host check on); ``hidden``: see :class:`Server`."""
+    server = Server(engine, ctx, hidden, max_body_bytes)
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/v1/health", server.health, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/chat/completions", server.openai, methods=["POST"]),
+        Route("/chat/completions", server.openai, methods=["POST"]),
+        Route("/v1/completions", server.openai, methods=["POST"]),
+        Route("/v1/messages", server.messages, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=guard_middleware(host, allow_origins, api_key),
+        exception_handlers={HTTPException: server.no_route, Exception: server.failed},
+    )
+    app.state.server = server
+    return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host``:``port`` (0: a free port); ``OSError``
+    naming the address when that fails."""
+    try:
+        infos = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server; a signal to stop also ends the open requests at once
+    (streams get their last event), so that uvicorn's wait for open
+    connections is short."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+        super().__init__(config)
+        self.on_exit, self.loop = on_exit, None
+
+    async def startup(self, sockets=None):
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame):
+        if not self.should_exit and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.on_exit)
+        super().handle_exit(sig, frame)
+
+
+def uvicorn_config(app: Starlette, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn serving ``app`` over HTTP/1.1 with h11 (the same parser
+    whichever optional packages are installed), logging through the root
+    logger."""
+    return uvicorn.Config(
+        app,
+        http="h11",
+        ws="none",
+        lifespan="off",
+        log_config=None,
+        log_level=log_level.lower(),
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+    )
+
+
+def serve(app: Starlette, sock: socket.socket, log_level: str = "info"):
+    """Serve ``app`` on ``sock`` until SIGTERM or SIGINT (in the main thread)."""
+    generations = app.state.server.generations
+    server = _Uvicorn(uvicorn_config(app, log_level), generations.shut_down)
+    # uvicorn raises the signal again once it has stopped: it must find a
+    # handler that lets the caller close the engine and exit cleanly
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])

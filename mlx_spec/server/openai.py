@@ -6,6 +6,7 @@ Responses carry the request's speculation counters in an extension field,
 """
 
 import json
+import math
 import time
 import uuid
 from typing import Any, Dict, List, Optional
@@ -18,6 +19,14 @@ def _is_text(delta: Optional[dict]) -> bool:
     return delta is not None and list(delta) in (["content"], ["reasoning"])
 
 
+def finite_or_none(value: Optional[float]) -> Optional[float]:
+    """``value``, or None where it is no finite number: the logprob of a token
+    a penalty or bias pushed to -inf has no JSON number."""
+    if value is None or not math.isfinite(value):
+        return None
+    return value
+
+
 def error_body(message: str, status: int, param: Optional[str] = None) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 404:
@@ -28,13 +37,22 @@ def error_body(message: str, status: int, param: Optional[str] = None) -> dict:
 class OpenAIResponse:
     """Turns engine events into a response of one request."""
 
-    def __init__(self, chat: bool, model_id: str, params: GenerationParams, tokenizer):
+    def __init__(
+        self,
+        chat: bool,
+        model_id: str,
+        params: GenerationParams,
+        tokenizer,
+        echo: str = "",
+    ):
+        """``echo``: text the reply begins with (a completion's prompt)."""
         self.chat, self.model_id, self.params = chat, model_id, params
+        self.echo = "" if chat else echo
         self.tokenizer = tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.content, self.reasoning = "", ""
+        self.content, self.reasoning = self.echo, ""
         self.tool_calls: List[dict] = []
         self.tokens: List[Token] = []
         self.usage: Dict[str, Any] = {}
@@ -46,7 +64,9 @@ class OpenAIResponse:
         """Record ``event``; returns the streaming delta it makes, if any."""
         if isinstance(event, Started):
             self.started = event
-            return {"role": "assistant", "content": ""} if self.chat else None
+            if self.chat:
+                return {"role": "assistant", "content": ""}
+            return {"content": self.echo} if self.echo else None
         if isinstance(event, Token):
             self.tokens.append(event)
             return None
@@ -96,7 +116,7 @@ class OpenAIResponse:
                 text = decode(token)
                 return {
                     "token": text,
-                    "logprob": logprob,
+                    "logprob": finite_or_none(logprob),
                     "bytes": list(text.encode("utf-8")),
                 }
 
@@ -111,9 +131,10 @@ class OpenAIResponse:
             }
         return {
             "tokens": [decode(t.token) for t in tokens],
-            "token_logprobs": [t.logprob for t in tokens],
+            "token_logprobs": [finite_or_none(t.logprob) for t in tokens],
             "top_logprobs": [
-                {decode(i): lp for i, lp in t.top_logprobs} or None for t in tokens
+                {decode(i): finite_or_none(lp) for i, lp in t.top_logprobs} or None
+                for t in tokens
             ],
         }
 

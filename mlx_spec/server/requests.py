@@ -294,3 +294,24 @@ def openai_request(path: str, body, ctx: ServerContext) -> Tuple[List[int], str,
         params.logprobs = top is not None
         params.top_logprobs = top or 0
     return prompt, state, params
+
+
+def completion_echo(body) -> str:
+    """The text a ``/v1/completions`` reply begins with: the prompt where
+    ``echo`` is true, else nothing. ``best_of`` other than 1 and ``suffix``
+    (fill-in-the-middle) are refused by name, as ``n`` is; so is ``echo`` with
+    ``logprobs`` (the prompt's own logprobs are not computed)."""
+    if field(body, "best_of", "int", 1) != 1:
+        raise RequestError("only 'best_of': 1 is supported", param="best_of")
+    if field(body, "suffix", "str"):
+        raise RequestError(
+            "'suffix' is not supported (no fill-in-the-middle)", param="suffix"
+        )
+    if not field(body, "echo", "bool", False):
+        return ""
+    if body.get("logprobs") is not None:
+        raise RequestError(
+            "'echo' together with 'logprobs' is not supported", param="echo"
+        )
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else ""

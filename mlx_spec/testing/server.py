@@ -1,15 +1,19 @@
-"""Start an HTTP server process for a test or a benchmark, and always stop
-it; read the events of a job given to the server's engine directly."""
+"""Start an HTTP server process (or an in-process one on a thread) for a test
+or a benchmark, and always stop it; read the events of a job given to the
+server's engine directly; an engine whose passes a test can hold and count."""
 
+import collections
 import contextlib
 import http.client
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Iterator, List, Optional
 
+from ..server.engine import Engine
 from ..server.events import Finished
 
 
@@ -107,3 +111,59 @@ def job_events(job, timeout: float = 300.0) -> list:
     if isinstance(events[-1], Exception):
         raise events[-1]
     return events
+
+
+class GatedEngine(Engine):
+    """A server engine whose verify passes run only while ``gate`` is set
+    (``held`` is set while one waits there), and which counts the passes
+    each submitted job's row took part in (``passes[id(job)]``)."""
+
+    def __init__(self, *args, **kwargs):
+        self.gate, self.held = threading.Event(), threading.Event()
+        self.gate.set()
+        self.jobs: List = []
+        self.passes: collections.Counter = collections.Counter()
+        super().__init__(*args, **kwargs)
+
+    def submit(self, job):
+        self.jobs.append(job)
+        return super().submit(job)
+
+    def _step(self, batch):
+        if not self.gate.is_set():
+            self.held.set()
+            self.gate.wait()
+            self.held.clear()
+        for output in list(self._live.values()):
+            self.passes[id(output.job)] += 1
+        super()._step(batch)
+
+    def decoding(self, job) -> bool:
+        """Whether ``job``'s row is in the batch."""
+        return any(o.job is job for o in list(self._live.values()))
+
+
+@contextlib.contextmanager
+def serving(app, timeout: float = 60.0) -> Iterator[int]:
+    """Serve the ASGI ``app`` with uvicorn on a thread, on a free port of
+    127.0.0.1 (yielded); stopped when the block ends, whatever happened."""
+    import uvicorn
+
+    from ..server.http import bind, uvicorn_config
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn_config(app, "warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.daemon = True
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.01)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
