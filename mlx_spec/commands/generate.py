@@ -1,12 +1,14 @@
 """``mlx_spec generate``: the flags of ``mlx_lm.generate`` plus drafting flags."""
 
 import sys
+import warnings
 from contextlib import contextmanager
 
 
 from ..core.decode import SpeculativeDecoder
 from ..generate import generate
 from ..mlx_lm_compat import generate_arg_parser
+from ..models.mtp import MTPDisabledWarning, mtp_report
 from .common import (
     CommandError,
     add_penalty_flags,
@@ -58,10 +60,15 @@ def main(argv=None):
     refuse_unsupported(args, _UNSUPPORTED)
     processors = logits_processors_from_flags(args)
     group = join_pipeline(args)
-    _, model, tokenizer = load_model(
-        args.model, mtp_path=args.mtp_path, pipeline_group=group
-    )
+    with warnings.catch_warnings():  # the report below says it in one line
+        warnings.simplefilter("ignore", MTPDisabledWarning)
+        _, model, tokenizer = load_model(
+            args.model, mtp_path=args.mtp_path, pipeline_group=group
+        )
     quiet = group is not None and group.rank() != 0
+    report = mtp_report(model)  # which file and layout the head came from
+    if report and not quiet:
+        print(report, file=sys.stderr)
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
 

@@ -53,6 +53,8 @@ SIDECAR_SHARDS = "mtp-*-of-*.safetensors"
 # Sidecar files, in the order they are looked for (after the model's shards).
 SIDECAR_FILES = (SIDECAR_NAME, "model-mtp.safetensors", "mtp/weights.safetensors")
 MANIFEST = "mtp/manifest.json"
+# File names of sidecars at the top of a model directory (glob patterns).
+MTP_SIDECAR_PATTERNS = (SIDECAR_NAME, "model-mtp.safetensors", SIDECAR_SHARDS)
 # A manifest's rmsnorm_weight_format that says the norms are already shifted.
 SHIFTED_FORMATS = ("mlx_gamma",)
 
