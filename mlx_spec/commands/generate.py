@@ -66,9 +66,6 @@ def main(argv=None):
             args.model, mtp_path=args.mtp_path, pipeline_group=group
         )
     quiet = group is not None and group.rank() != 0
-    report = mtp_report(model)  # which file and layout the head came from
-    if report and not quiet:
-        print(report, file=sys.stderr)
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
 
@@ -90,6 +87,10 @@ def main(argv=None):
         # leave cleanly: plain decoding is our loop with no drafts instead.
         extra["decoder"] = SpeculativeDecoder(model, None, max_draft=1)
         args.num_draft_tokens = 0
+    report = mtp_report(model)  # which file and layout the head came from
+    asks_mtp = args.draft is not None and args.draft.startswith("mtp")
+    if report and args.verbose and not quiet and (model.mtp_head or not asks_mtp):
+        print(report, file=sys.stderr)  # (a missing head asked for: the error says)
     with bad_input(), _pipeline_errors(group):
         text = generate(
             model,

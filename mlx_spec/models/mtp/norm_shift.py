@@ -26,7 +26,7 @@ from .weights import MTP_NORMS, MTPWeightsError
 # Evidence names, strongest first (reported in the one-line summary).
 EVIDENCE_METADATA = "mlx-spec metadata"
 EVIDENCE_MANIFEST = "manifest"
-EVIDENCE_RELEASE = "release checkpoint (mtp.* in the model's own shards)"
+EVIDENCE_RELEASE = "release checkpoint: mtp.* in the model's shards"
 EVIDENCE_VALUES = "norm values"
 
 # A norm whose weights are more than this share negative, or whose mean is
