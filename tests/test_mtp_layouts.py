@@ -393,3 +393,47 @@ def test_decoding_with_a_published_head_is_lossless(family, tmp_path, save_mlx_d
     ]
     assert got == want
     assert stats.accepted > 0
+
+
+def test_explicit_mtp_path_in_any_layout(targets, tmp_path):
+    """``mtp_path`` may name a published sidecar elsewhere, or a raw release
+    directory (its shards are searched)."""
+    raw, mlx, _ = targets["qwen3_5_moe"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text((mlx / "config.json").read_text())
+    manifest = {"rmsnorm_weight_format": "mlx_gamma"}
+    file = write_head(
+        elsewhere,
+        shift_norms(raw_head(raw)),
+        where="mtp_dir",
+        prefix="language_model.mtp.",
+        storage="bfloat16",
+        manifest=manifest,
+    )
+    model = mlx_spec.load(mlx, mtp_path=file)[0]
+    assert model.mtp_info.shift.evidence.startswith("manifest")
+    model = mlx_spec.load(mlx, mtp_path=raw)[0]
+    assert model.mtp_info.found_as == "model shards"
+    assert model.mtp_info.shift.evidence.startswith("release checkpoint")
+
+
+@pytest.mark.parametrize("draft", ["ngram", "none"])
+def test_generate_runs_past_a_broken_sidecar(targets, tmp_path, capsys, draft):
+    """``mlx_spec generate --draft ngram|none`` with a truncated
+    mtp.safetensors beside the model: it generates, and says in one line
+    that MTP is disabled, naming the file."""
+    from mlx_spec.commands.cli import main
+
+    raw, mlx, _ = targets["qwen3_next"]
+    d = shutil.copytree(mlx, tmp_path / "model")
+    file = write_head(d, raw_head(raw))
+    file.write_bytes(file.read_bytes()[:64])
+    argv = ["generate", "--model", str(d), "--max-tokens", "3", "--draft", draft]
+    assert main(argv + ["--prompt", "hello"]) == 0
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if "MTP" in x]
+    assert len(lines) == 1, err
+    assert (
+        lines[0].startswith("MTP head: none (MTP disabled: ") and str(file) in lines[0]
+    )
