@@ -437,3 +437,25 @@ def test_generate_runs_past_a_broken_sidecar(targets, tmp_path, capsys, draft):
     assert (
         lines[0].startswith("MTP head: none (MTP disabled: ") and str(file) in lines[0]
     )
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_6_shaped_release_and_its_conversion(family, tmp_path, save_mlx_dir):
+    """A release in Qwen3.6's shape (qwen3_5 / qwen3_5_moe, a vision tower
+    beside text_config): its head loads from the shards; its mlx-community
+    conversion keeps the declaration but no tensors, and gets the command;
+    a sidecar published for it loads the same head."""
+    raw = write_tiny_checkpoint(tmp_path / "raw", family, vision=True)
+    config = json.loads((raw / "config.json").read_text())
+    assert "vision_config" in config and config["model_type"] == family
+    assert mtp_model_type(config) == family
+    release = mlx_spec.load(raw)[0]
+    assert release.mtp_info.shift.evidence.startswith("release checkpoint")
+    mlx = save_mlx_dir(raw, tmp_path / "mlx")
+    converted = json.loads((mlx / "config.json").read_text())
+    assert converted["text_config"]["mtp_num_hidden_layers"] == 1
+    model = mlx_spec.load(mlx)[0]
+    assert model.mtp_head is None and "--mtp-from" in model.mtp_missing
+    write_head(mlx, raw_head(raw), prefix="language_model.mtp.", where="model_mtp")
+    model = mlx_spec.load(mlx)[0]
+    assert_same_bits(params(model.mtp_head), params(release.mtp_head), family)
