@@ -459,3 +459,18 @@ def test_qwen3_6_shaped_release_and_its_conversion(family, tmp_path, save_mlx_di
     write_head(mlx, raw_head(raw), prefix="language_model.mtp.", where="model_mtp")
     model = mlx_spec.load(mlx)[0]
     assert_same_bits(params(model.mtp_head), params(release.mtp_head), family)
+
+
+def test_unforeseen_tensor_shapes_are_named_not_raised(targets, tmp_path):
+    """Per-expert tensors that cannot even be stacked (one expert of another
+    shape): the error names the file, and a load found with the model only
+    disables MTP."""
+    raw, d, model = _sidecar_dir(targets, tmp_path)
+    tensors = raw_head(raw)
+    name = "mtp.layers.0.mlp.experts.3.up_proj.weight"
+    tensors[name] = tensors[name][:-1]
+    path = write_head(d, tensors)
+    with pytest.raises(MTPWeightsError, match=re.escape(str(path))):
+        find_mtp_weights(d, text_args(model), "qwen3_5_moe")
+    with pytest.warns(MTPDisabledWarning, match=re.escape(str(path))):
+        assert mlx_spec.load(d)[0].mtp_head is None

@@ -305,15 +305,23 @@ def read_mtp_files(
         if meta.get("mlx_spec.kind") == "mtp":
             check_sidecar_model(meta, model_type, args, source, model)
     num_experts = getattr(args, "num_experts", 0) or 0
-    tensors, layout = canonical_tensors(raw, num_experts, source, _fp8_block(config))
-    evidence = _shift_evidence(files, metas, layout.prefix, model_dir, source)
-    decision = decide_shift(tensors, source, evidence)
-    tensors = apply_shift(tensors, decision)
-    float_shapes = {
-        k: tuple(v.shape)
-        for k, v in tree_flatten(MTPHead(args, model_type).parameters())
-    }
-    quant = affine_quantization(tensors, float_shapes, source)
+    try:
+        tensors, layout = canonical_tensors(
+            raw, num_experts, source, _fp8_block(config)
+        )
+        evidence = _shift_evidence(files, metas, layout.prefix, model_dir, source)
+        decision = decide_shift(tensors, source, evidence)
+        tensors = apply_shift(tensors, decision)
+        float_shapes = {
+            k: tuple(v.shape)
+            for k, v in tree_flatten(MTPHead(args, model_type).parameters())
+        }
+        quant = affine_quantization(tensors, float_shapes, source)
+    except MTPWeightsError:
+        raise
+    except (ValueError, RuntimeError, TypeError) as e:
+        # what MLX says of tensors no check above foresaw, named by file
+        raise MTPWeightsError(f"{source}: {e}") from None
     info = MTPWeightsInfo(
         files=tuple(str(f) for f in files.files),
         found_as=files.found_as,
