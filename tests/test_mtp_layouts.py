@@ -474,3 +474,26 @@ def test_unforeseen_tensor_shapes_are_named_not_raised(targets, tmp_path):
         find_mtp_weights(d, text_args(model), "qwen3_5_moe")
     with pytest.warns(MTPDisabledWarning, match=re.escape(str(path))):
         assert mlx_spec.load(d)[0].mtp_head is None
+
+
+def test_convert_rewrites_a_published_head_as_an_mlx_spec_sidecar(targets, tmp_path):
+    """``convert --hf-path`` accepts a directory whose head is published in
+    another tool's layout; the sidecar it writes is decided by its metadata
+    and holds the same head."""
+    from mlx_spec.commands.convert import convert
+
+    raw, mlx, _ = targets["qwen3_5_moe"]
+    src = shutil.copytree(mlx, tmp_path / "published")
+    write_head(
+        src,
+        shift_norms(raw_head(raw)),
+        where="model_mtp",
+        prefix="language_model.mtp.",
+        experts="fused",
+    )
+    out = shutil.copytree(mlx, tmp_path / "out")
+    convert(src, out, mtp_dtype="float32", progress=False)
+    published, ours = mlx_spec.load(src)[0], mlx_spec.load(out)[0]
+    assert ours.mtp_info.shift.evidence == "mlx-spec metadata"
+    assert ours.mtp_info.found_as == "mtp.safetensors"
+    assert_same_bits(params(ours.mtp_head), params(published.mtp_head), "convert")
