@@ -230,9 +230,9 @@ def test_head_is_not_part_of_the_target(models):
 def test_model_without_head_says_what_to_run(tmp_path):
     path = write_predictive_checkpoint(tmp_path / "raw", "qwen3_5")
     model, tok = mlx_lm.load(str(path))  # plain mlx-lm: no head attached
-    with pytest.raises(MTPUnavailableError, match="mlx_spec convert --hf-path"):
+    with pytest.raises(MTPUnavailableError, match="mlx_spec convert --mtp-from"):
         make_drafter("mtp", model)
-    with pytest.raises(MTPUnavailableError, match="mlx_spec convert --hf-path"):
+    with pytest.raises(MTPUnavailableError, match="mlx_spec convert --mtp-from"):
         spec(model, tok, PROMPT, "mtp+ngram", 2)
 
 

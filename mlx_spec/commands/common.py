@@ -22,6 +22,7 @@ from ..drafters.base import MAX_DRAFT_TOKENS
 from ..loading import load
 from ..mlx_lm_compat import PENALTIES, make_logits_processors
 from ..models.mtp import SIDECAR_NAME
+from ..models.mtp.discovery import MTP_SIDECAR_PATTERNS
 from ..models.pipeline import shared_seed
 
 BAD_INPUT = 2  # exit status, as argparse uses for bad flags
@@ -179,7 +180,13 @@ def check_model_files(path: Path, mtp_path=None):
         raise CommandError(f"{path} has no config.json") from None
     except (OSError, ValueError) as e:
         raise CommandError(f"{config} is not a valid config: {one_line(e)}") from None
-    files = sorted(path.glob("*.safetensors"))
+    # MTP sidecars are checked when the head is attached: a broken one only
+    # disables MTP drafting.
+    files = sorted(
+        f
+        for f in path.glob("*.safetensors")
+        if not any(f.match(p) for p in MTP_SIDECAR_PATTERNS)
+    )
     if mtp_path is not None:
         mtp = Path(mtp_path)
         files.append(mtp / SIDECAR_NAME if mtp.is_dir() else mtp)

@@ -1,12 +1,14 @@
 """``mlx_spec generate``: the flags of ``mlx_lm.generate`` plus drafting flags."""
 
 import sys
+import warnings
 from contextlib import contextmanager
 
 
 from ..core.decode import SpeculativeDecoder
 from ..generate import generate
 from ..mlx_lm_compat import generate_arg_parser
+from ..models.mtp import MTPDisabledWarning, mtp_report
 from .common import (
     CommandError,
     add_penalty_flags,
@@ -58,9 +60,11 @@ def main(argv=None):
     refuse_unsupported(args, _UNSUPPORTED)
     processors = logits_processors_from_flags(args)
     group = join_pipeline(args)
-    _, model, tokenizer = load_model(
-        args.model, mtp_path=args.mtp_path, pipeline_group=group
-    )
+    with warnings.catch_warnings():  # the report below says it in one line
+        warnings.simplefilter("ignore", MTPDisabledWarning)
+        _, model, tokenizer = load_model(
+            args.model, mtp_path=args.mtp_path, pipeline_group=group
+        )
     quiet = group is not None and group.rank() != 0
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
@@ -83,6 +87,10 @@ def main(argv=None):
         # leave cleanly: plain decoding is our loop with no drafts instead.
         extra["decoder"] = SpeculativeDecoder(model, None, max_draft=1)
         args.num_draft_tokens = 0
+    report = mtp_report(model)  # which file and layout the head came from
+    asks_mtp = args.draft is not None and args.draft.startswith("mtp")
+    if report and args.verbose and not quiet and (model.mtp_head or not asks_mtp):
+        print(report, file=sys.stderr)  # (a missing head asked for: the error says)
     with bad_input(), _pipeline_errors(group):
         text = generate(
             model,

@@ -41,6 +41,7 @@ import numpy as np
 
 from .configs import (
     DTYPES,
+    VISION_TENSORS,
     FAMILIES,
     check_family,
     default_dims,
@@ -261,6 +262,7 @@ def write_tiny_checkpoint(
     *,
     seed: int = 0,
     dtype: str = "float32",
+    vision: bool = False,
     **overrides,
 ) -> pathlib.Path:
     """Write a tiny random raw-HF checkpoint of ``family`` into directory ``path``.
@@ -269,6 +271,9 @@ def write_tiny_checkpoint(
     ``num_hidden_layers=8``); they apply to the text config. Writes ``config.json``,
     ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``
     (overwriting those four files) and returns the directory as a ``Path``.
+    ``vision`` (qwen3_5 families): the shape of a released multimodal
+    checkpoint such as Qwen3.6 / Qwen3.8 (``vision_config`` and image / video
+    token ids in the config, a few ``model.visual.*`` tensors in the shard).
     """
     check_family(family)
     if dtype not in DTYPES:
@@ -276,7 +281,7 @@ def write_tiny_checkpoint(
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     dims = resolve_dims(family, overrides)
-    config = tiny_config(family, dtype=dtype, **overrides)
+    config = tiny_config(family, dtype=dtype, vision=vision, **overrides)
 
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -284,6 +289,13 @@ def write_tiny_checkpoint(
         name: _values(int(seed), name, shape, kind)
         for name, shape, kind in _specs(family, dims)
     }
+    if vision:  # a few tower tensors: loaders of the text model must skip them
+        tensors.update(
+            {
+                n: _values(int(seed), n, shape, "linear")
+                for n, shape in VISION_TENSORS.items()
+            }
+        )
     _save(tensors, out / "model.safetensors", dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "tokenizer.json").write_text(tokenizer_json())

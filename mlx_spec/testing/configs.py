@@ -120,9 +120,49 @@ def _layer_types(dims: Dict[str, Any]) -> List[str]:
     ]
 
 
-def tiny_config(family: str, *, dtype: str = "float32", **overrides) -> Dict[str, Any]:
-    """The ``config.json`` dict that :func:`write_tiny_checkpoint` writes."""
+# A tiny vision tower's config, in the shape Qwen3.5-family releases (and
+# Qwen3.6 / Qwen3.8, shipped as qwen3_5 / qwen3_5_moe) carry beside text_config.
+VISION_TENSORS = {
+    "model.visual.patch_embed.proj.weight": (16, 3, 2, 4, 4),
+    "model.visual.merger.linear_fc2.weight": (64, 16),
+}
+
+
+def _vision_fields(dims: Dict[str, Any]) -> Dict[str, Any]:
+    V = dims["vocab_size"]  # the special ids sit in the padding rows
+    return {
+        "image_token_id": V - 4,
+        "video_token_id": V - 3,
+        "vision_start_token_id": V - 2,
+        "vision_end_token_id": V - 1,
+        "vision_config": {
+            "deepstack_visual_indexes": [],
+            "depth": 1,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": 16,
+            "in_channels": 3,
+            "intermediate_size": 32,
+            "model_type": "qwen3_5",
+            "num_heads": 2,
+            "num_position_embeddings": 16,
+            "out_hidden_size": dims["hidden_size"],
+            "patch_size": 4,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    }
+
+
+def tiny_config(
+    family: str, *, dtype: str = "float32", vision: bool = False, **overrides
+) -> Dict[str, Any]:
+    """The ``config.json`` dict that :func:`write_tiny_checkpoint` writes.
+
+    ``vision`` (qwen3_5 families): also the ``vision_config`` and image /
+    video token ids of a released multimodal config (Qwen3.6 / Qwen3.8)."""
     dims = resolve_dims(family, overrides)
+    if vision and family == "qwen3_next":
+        raise ValueError("qwen3_next checkpoints have no vision tower")
     common = {
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -203,7 +243,7 @@ def tiny_config(family: str, *, dtype: str = "float32", **overrides) -> Dict[str
         arch = "Qwen3_5ForConditionalGeneration"
     else:
         arch = "Qwen3_5MoeForConditionalGeneration"
-    return {
+    config = {
         "architectures": [arch],
         "eos_token_id": EOS_TOKEN_ID,
         "model_type": family,
@@ -211,3 +251,6 @@ def tiny_config(family: str, *, dtype: str = "float32", **overrides) -> Dict[str
         "tie_word_embeddings": tied,
         "transformers_version": "4.57.0.dev0",
     }
+    if vision:
+        config.update(_vision_fields(dims))
+    return dict(sorted(config.items()))

@@ -1,7 +1,7 @@
 """Export the trained demo model as a raw Hugging Face ``qwen3_next`` checkpoint.
 
 The inverse of what the loaders do (mlx-lm's ``Model.sanitize`` for the
-backbone, ``mlx_spec.models.mtp.weights.sanitize_mtp`` for the head):
+backbone, ``mlx_spec.models.mtp.discovery.find_mtp_weights`` for the head):
 
 * stacked ``switch_mlp.{gate,up,down}_proj.weight`` [E, ...] -> per-expert
   ``mlp.experts.{e}.{gate,up,down}_proj.weight``;
