@@ -3,6 +3,7 @@ or logits processor raises ends with its error, the rows beside it finish
 with exactly their tokens alone, and later requests (sampled ones too) work."""
 
 import threading
+import traceback
 
 import mlx.core as mx
 import pytest
@@ -23,12 +24,16 @@ class Poisoned(Exception):
     pass
 
 
+RAISED_IN = []  # the functions on the stack where a poisoned processor raised
+
+
 def _processor_raising_on_call(n: int):
     calls = [0]
 
     def processor(tokens, logits):
         calls[0] += 1
         if calls[0] >= n:
+            RAISED_IN.append({f.name for f in traceback.extract_stack()})
             raise Poisoned(f"processor call {calls[0]}")
         return logits
 
@@ -86,8 +91,16 @@ def _run_concurrently(engine, jobs):
     return results
 
 
-@pytest.mark.parametrize("draft", ["ngram", "mtp+ngram"])
-@pytest.mark.parametrize("poison", ["processor", "sampler"])
+@pytest.mark.parametrize(
+    "draft, poison",
+    [
+        ("ngram", "processor"),
+        ("mtp+ngram", "processor"),
+        ("mtp+ngram", "processor_while_drafting"),
+        ("ngram", "sampler"),
+        ("mtp+ngram", "sampler"),
+    ],
+)
 def test_a_failing_row_ends_alone_and_later_requests_work(
     models, poisonable, draft, poison
 ):
@@ -100,14 +113,21 @@ def test_a_failing_row_ends_alone_and_later_requests_work(
         jobs = [Job(greedy[0], GenerationParams(max_tokens=14))]
         jobs.append(Job(greedy[1], GenerationParams(max_tokens=14, logits=penalty)))
         jobs.append(Job(greedy[2], GenerationParams(max_tokens=14)))
-        if poison == "processor":  # fails a few tokens in, after drafting
+        RAISED_IN.clear()
+        if poison == "processor":  # fails a few tokens in, verifying
             bad = GenerationParams(max_tokens=14, logits={"poison_at": 4})
+        elif poison == "processor_while_drafting":  # in the heads' shared draft
+            bad = GenerationParams(max_tokens=14, logits={"poison_at": 5})
         else:
             bad = GenerationParams(max_tokens=14, temperature=0.8, top_k=POISON_TOP_K)
         jobs.insert(1, Job(prompts("repetitive", n=30), bad))
         results = _run_concurrently(engine, jobs)
         failed = results.pop(jobs.pop(1))
         assert isinstance(failed, (Poisoned, ValueError)), failed
+        if poison == "processor_while_drafting":
+            assert "_choose" in RAISED_IN[0]  # MTPBatch drafting every row
+        elif poison == "processor":
+            assert "_verify_row" in RAISED_IN[0]
         assert engine.peak_decoding == 4  # the failing row shared passes
         procs = [None, make_logits_processors(**penalty), None]
         for job, prompt, p in zip(jobs, greedy, procs):
