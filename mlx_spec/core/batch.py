@@ -150,10 +150,8 @@ class BatchDecoder:
             self.lengths = self.lengths or PassLength(costs, self.group)
         id, self._next_id = self._next_id, self._next_id + 1
         stops = set(stop_tokens)
-        row = _Row(
-            id, decoder, sampler, policy, most, max_tokens, stops, processors, seen
-        )
-        row.guard = guard
+        row = _Row(id, decoder, sampler, policy, most, max_tokens, stops)
+        row.processors, row.seen, row.guard = processors, seen, guard
         self.rows.append(row)
         return id
 
