@@ -168,7 +168,7 @@ def test_text_parts_are_joined_as_one_string(server):
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages"])
 def test_top_k_past_the_vocabulary_harms_no_other_request(server, path):
-    """Issue 49's case: ``top_k`` >= the vocabulary, sampled, beside greedy
+    """A ``top_k`` of at least the vocabulary size, sampled, beside greedy
     requests: every request is answered, the greedy ones as mlx-lm decodes
     them, and sampled requests after it still work. A ``top_k`` past the
     vocabulary keeps every token (as vLLM clamps it)."""
