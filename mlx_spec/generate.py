@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Union
 
 import mlx.core as mx
+import numpy as np
 
 from .core.decode import SpeculativeDecoder, speculative_generate_step
 from .core.policy import most_drafts
@@ -53,17 +54,29 @@ def _is_id(value) -> bool:
 
 
 def _encode(model, tokenizer: TokenizerWrapper, prompt) -> mx.array:
-    """The prompt as [N] uint32 ids, checked against the model's vocabulary."""
+    """The prompt as [N] uint32 ids, checked against the model's vocabulary.
+
+    Takes what ``mlx_lm.stream_generate`` takes (a string, an ``mx.array``
+    or NumPy array of ids, a list of ids, NumPy integers included); anything
+    else is a ``TypeError`` naming its type."""
     if isinstance(prompt, str):
         bos = tokenizer.bos_token
         prompt = tokenizer.encode(
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
         )
+    if isinstance(prompt, np.ndarray):
+        prompt = mx.array(prompt)
+    if not isinstance(prompt, (mx.array, list, tuple)):
+        raise TypeError(
+            "prompt must be a string, a list of token ids or an mx.array / NumPy "
+            f"array of them, got {type(prompt).__name__}"
+        )
     if not isinstance(prompt, mx.array):
         bad = next((t for t in prompt if not _is_id(t)), None)
         if bad is not None:
-            raise ValueError(f"token ids must be integers, got {bad!r}")
-        prompt = mx.array(prompt, mx.int64) if prompt else mx.array([])
+            raise ValueError(f"token ids must be integers, got {bad!r:.60}")
+        ids = [int(t) for t in prompt]  # NumPy integers too
+        prompt = mx.array(ids, mx.int64) if ids else mx.array([])
     if prompt.ndim != 1 or prompt.size == 0:
         raise ValueError(
             f"prompt must be a non-empty 1-D sequence of token ids, got shape {prompt.shape}"
@@ -142,6 +155,9 @@ def stream_generate(
             )
     draft = default_draft(model) if draft is None else draft
     check_options(max_tokens, draft, num_draft_tokens, kwargs.get("rollback", "store"))
+    step = kwargs.get("prefill_step_size")
+    if step is not None and not (_is_id(step) and step >= 1):
+        raise ValueError(f"prefill_step_size must be an integer >= 1, got {step!r}")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if kwargs.pop("draft_model", None) is not None:

@@ -8,6 +8,7 @@ versions this was tested with (``TESTED_MLX_LM``), and importing mlx_spec
 with another version warns once, naming it.
 """
 
+import functools
 import warnings
 
 import mlx.core as mx
@@ -49,15 +50,52 @@ from mlx_lm.models.switch_layers import (
     SwitchGLU,
     SwitchLinear,
 )
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    make_logits_processors,
-)
-from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+from mlx_lm.sample_utils import apply_min_p as _apply_min_p
+from mlx_lm.sample_utils import apply_top_k as _apply_top_k
+from mlx_lm.sample_utils import apply_top_p as _apply_top_p
+from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.sample_utils import greedy_sampler as _greedy
+from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model
+
+
+def keeps_random_state(fn):
+    """``fn``, which leaves ``mx.random.state`` as it found it when it raises.
+
+    mlx-lm's sampling filters are compiled with the random state as an input
+    and an output: while ``mx.compile`` traces one, the state holds a
+    placeholder, and a filter that raises then (``apply_top_k`` checks its
+    ``top_k`` against the vocabulary while tracing) leaves that placeholder
+    in place. Every later random draw in the process then fails ("Attempting
+    to eval an array without a primitive"). The state saved before the call
+    is put back (``mx.random.seed`` of its two words sets exactly that key).
+    """
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        saved = mx.random.state[0]
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            high, low = saved.tolist()
+            mx.random.seed((high << 32) | low)
+            raise
+
+    return call
+
+
+apply_min_p = keeps_random_state(_apply_min_p)
+apply_top_k = keeps_random_state(_apply_top_k)
+apply_top_p = keeps_random_state(_apply_top_p)
+
+
+def mlx_lm_make_sampler(*args, **kwargs):
+    """mlx-lm's ``make_sampler``; its sampler keeps the random state when it
+    raises (see :func:`keeps_random_state`)."""
+    sampler = _mlx_lm_make_sampler(*args, **kwargs)
+    return sampler if sampler is _greedy else keeps_random_state(sampler)
+
 
 # make_logits_processors' penalties (the fields mlx_lm.server reads from a
 # request): (keyword, its lowest value or None, its context-size keyword).
@@ -109,6 +147,7 @@ __all__ = [
     "dequantize_model",
     "gated_delta_step_ops",
     "gated_delta_update",
+    "keeps_random_state",
     "generate_step",
     "generation_stream",
     "load",

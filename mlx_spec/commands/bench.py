@@ -47,7 +47,14 @@ from ..drafters import DRAFTS
 from ..generate import stream_generate
 from ..mlx_lm_compat import plain_stream_generate
 from .bench_report import format_table, lossless_report, plot
-from .common import CommandError, bad_input, command, draft_length, load_model
+from .common import (
+    CommandError,
+    bad_input,
+    check_output_file,
+    command,
+    draft_length,
+    load_model,
+)
 
 KINDS = ("copy", "free", "long")
 
@@ -353,6 +360,9 @@ def main(argv=None):
     args = setup_parser().parse_args(argv)
     if args.repeats < 1:
         raise CommandError(f"--repeats must be >= 1, got {args.repeats}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:  # before the run, not after it
+            check_output_file(path, flag)
     model_path, model, tok = load_model(args.model)
     with bad_input():
         workloads = load_workloads(args.workloads_file, args.workload, tok)
@@ -389,7 +399,8 @@ def main(argv=None):
             "verify_cost_profile_s": verify_cost_profile(model),
             "results": results,
         }
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        with bad_input(OSError):
+            Path(args.json).write_text(json.dumps(out, indent=1))
     if args.plot:
         plot(results, args.plot)
     report = lossless_report(results)

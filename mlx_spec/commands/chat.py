@@ -16,6 +16,7 @@ generation had stopped there). Ctrl-C or Ctrl-D at the prompt exits.
 import contextlib
 import os
 import signal
+import sys
 import time
 from typing import Optional
 
@@ -34,6 +35,7 @@ from .common import (
     add_pipeline_flag,
     add_speculation_flags,
     bad_input,
+    check_run_flags,
     command,
     join_pipeline,
     load_model,
@@ -213,12 +215,37 @@ def run_command(chat, line: str) -> bool:
 
 
 def _read_line() -> Optional[str]:
-    """The next input line; None at Ctrl-D or Ctrl-C."""
-    try:
-        return input(">> ").strip()
-    except (EOFError, KeyboardInterrupt):
-        print()
-        return None
+    """The next input line; None at Ctrl-D or Ctrl-C. A line that is not
+    valid UTF-8 is reported on stderr and skipped (the chat goes on)."""
+    while True:
+        try:
+            line = input(">> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return None
+        except UnicodeDecodeError as e:  # a stdin that cannot escape bad bytes
+            print(f"\n{PROG}: {_NOT_UTF8} ({e.reason})", file=sys.stderr)
+            continue
+        try:
+            line.encode("utf-8")  # bad bytes read as lone surrogates
+            return line
+        except UnicodeEncodeError as e:
+            bad = ord(line[e.start]) & 0xFF
+            print(f"{PROG}: {_NOT_UTF8} (byte 0x{bad:02x})", file=sys.stderr)
+
+
+_NOT_UTF8 = "that line is not valid UTF-8 text; it was skipped"
+
+
+def _escape_bad_input_bytes():
+    """Read stdin's bytes that are not UTF-8 as lone surrogates, so such a
+    line is skipped whole (a strict decoder fails on a block of input,
+    which may hold the lines after it too)."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None and sys.stdin.encoding.lower().replace("-", "") in (
+        "utf8",
+    ):
+        reconfigure(errors="surrogateescape")
 
 
 def converse(chat, group=None):
@@ -249,6 +276,7 @@ def converse(chat, group=None):
 @command(PROG)
 def main(argv=None):
     args = setup_parser().parse_args(argv)
+    check_run_flags(args)
     cache_file = args.prompt_cache_file
     with bad_input():
         check_options(args.max_tokens, args.draft or "ngram", args.num_draft_tokens)
@@ -281,6 +309,7 @@ def main(argv=None):
         print(
             f"[mlx_spec chat] {model_path} (draft: {args.draft}). {HELP}.", flush=True
         )
+        _escape_bad_input_bytes()
         converse(chat, group)
     if cache_file:
         with bad_input(OSError):

@@ -7,7 +7,9 @@ import argparse
 import functools
 import json
 import math
+import os
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -88,6 +90,7 @@ def add_pipeline_flag(parser: argparse.ArgumentParser, rank0_does: str):
 def join_pipeline(args):
     """The pipeline group of ``--pipeline`` (None without it), and the random
     seed every rank then shares (``args.seed``, or rank 0's choice), set."""
+    check_seed(getattr(args, "seed", None))
     if not getattr(args, "pipeline", False):
         if getattr(args, "seed", None) is not None:
             mx.random.seed(args.seed)
@@ -211,21 +214,44 @@ def load_model(path=None, mtp_path=None, **kwargs):
     return path, model, tokenizer
 
 
+def check_sampling_flags(args):
+    """:class:`CommandError` naming the first sampling flag out of range
+    (checked before the model loads). A ``--top-k`` of at least the
+    vocabulary size keeps every token, as it does in the server."""
+    if not (math.isfinite(args.temp) and args.temp >= 0):
+        raise CommandError(f"--temp must be >= 0, got {args.temp}")
+    for name, low, high in (
+        ("top_p", 0, 1),
+        ("min_p", 0, 1),
+        ("xtc_probability", 0, 1),
+        ("xtc_threshold", 0, 0.5),
+    ):
+        value = getattr(args, name, None)
+        if value is not None and not low <= value <= high:  # NaN is neither
+            raise CommandError(f"{_flag(name)} must be in {low}..{high}, got {value}")
+    if getattr(args, "top_k", 0) < 0:
+        raise CommandError(f"--top-k must be >= 0 (0: off), got {args.top_k}")
+    if getattr(args, "min_tokens_to_keep", 1) < 1:
+        raise CommandError(
+            f"--min-tokens-to-keep must be >= 1, got {args.min_tokens_to_keep}"
+        )
+
+
 def sampler_from_flags(args, tokenizer):
     """The sampler of ``--temp``, ``--top-p``, ``--top-k``, ``--xtc-*`` (and
     ``--min-p``, ``--min-tokens-to-keep`` where the command has them)."""
-    if args.temp < 0:
-        raise CommandError(f"--temp must be >= 0, got {args.temp}")
-    return make_sampler(
-        args.temp,
-        args.top_p,
-        getattr(args, "min_p", 0.0),
-        getattr(args, "min_tokens_to_keep", 1),
-        top_k=args.top_k,
-        xtc_probability=args.xtc_probability,
-        xtc_threshold=args.xtc_threshold,
-        xtc_special_tokens=xtc_special_tokens(tokenizer),
-    )
+    check_sampling_flags(args)
+    with bad_input():
+        return make_sampler(
+            args.temp,
+            args.top_p,
+            getattr(args, "min_p", 0.0),
+            getattr(args, "min_tokens_to_keep", 1),
+            top_k=args.top_k,
+            xtc_probability=args.xtc_probability,
+            xtc_threshold=args.xtc_threshold,
+            xtc_special_tokens=xtc_special_tokens(tokenizer),
+        )
 
 
 def add_penalty_flags(parser: argparse.ArgumentParser):
@@ -265,3 +291,72 @@ def logits_processors_from_flags(args):
         if value:
             chosen[name], chosen[context] = value, size
     return make_logits_processors(**chosen) if chosen else None
+
+
+MAX_SEED = 2**64 - 1  # MLX's random seed is an unsigned 64-bit integer
+
+
+def check_seed(seed):
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise CommandError(f"--seed must be in 0..2**64-1, got {seed}")
+
+
+def check_run_flags(args):
+    """The flags of a generating command checked before its model loads:
+    sampling, ``--seed``, ``--prefill-step-size``, ``--adapter-path``."""
+    check_sampling_flags(args)
+    check_seed(getattr(args, "seed", None))
+    step = getattr(args, "prefill_step_size", None)
+    if step is not None and step < 1:
+        raise CommandError(f"--prefill-step-size must be >= 1, got {step}")
+    adapter = getattr(args, "adapter_path", None)
+    if adapter is not None and not Path(adapter).exists():
+        raise CommandError(f"--adapter-path {adapter!r} does not exist")
+
+
+def add_extra_eos_tokens(tokenizer, tokens, vocab: int):
+    """``--extra-eos-token``: each a token of the tokenizer's vocabulary (its
+    text) or a token id below ``vocab``; anything else is refused by name
+    (an unknown text would otherwise become the unknown token, or fail)."""
+    known = tokenizer.get_vocab()
+    for token in tokens:
+        if token.isdecimal() and int(token) < vocab:
+            tokenizer.add_eos_token(token)
+        elif token in known:
+            tokenizer.add_eos_token(str(known[token]))
+        else:
+            raise CommandError(
+                f"--extra-eos-token {token!r} is neither a token of this "
+                f"tokenizer nor a token id below {vocab}"
+            )
+
+
+def read_text(stream, what: str) -> str:
+    """All of ``stream`` (text, or its bytes where it has them, decoded as
+    UTF-8); :class:`CommandError` naming ``what`` and the first bad byte
+    when it is not valid UTF-8."""
+    data = getattr(stream, "buffer", None)
+    if data is None:
+        return stream.read()
+    raw = data.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CommandError(
+            f"{what} is not valid UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+            f"{e.start})"
+        ) from None
+
+
+def check_output_file(path, flag: str):
+    """:class:`CommandError` naming ``flag`` and ``path`` unless a file can
+    be written there: checked before a long run, by creating a file beside it."""
+    target = Path(path)
+    if target.is_dir():
+        raise CommandError(f"{flag} {str(path)!r} is a directory")
+    try:
+        fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise CommandError(f"{flag} {str(path)!r} cannot be written: {e.strerror}")

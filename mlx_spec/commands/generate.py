@@ -1,31 +1,44 @@
 """``mlx_spec generate``: the flags of ``mlx_lm.generate`` plus drafting flags."""
 
+import argparse
+import json
 import sys
 import warnings
 from contextlib import contextmanager
 
-
 from ..core.decode import SpeculativeDecoder
-from ..generate import generate
+from ..generate import generate, vocab_size
 from ..mlx_lm_compat import generate_arg_parser
 from ..models.mtp import MTPDisabledWarning, mtp_report
 from .common import (
     CommandError,
+    add_extra_eos_tokens,
     add_penalty_flags,
     add_pipeline_flag,
     add_speculation_flags,
     bad_input,
+    check_run_flags,
     command,
     join_pipeline,
     load_model,
     logits_processors_from_flags,
     one_line,
+    read_text,
     refuse_unsupported,
     sampler_from_flags,
 )
 
-# mlx_lm.generate flags that speculative decoding here does not implement.
-_UNSUPPORTED = {"draft_model": "--draft-model", "image": "--image"}
+# mlx_lm.generate flags that speculative decoding here does not implement;
+# those not in mlx_spec's help are refused by name all the same.
+_UNSUPPORTED = {
+    "draft_model": "--draft-model",
+    "image": "--image",
+    "prompt_cache_file": "--prompt-cache-file",
+    "use_default_chat_template": "--use-default-chat-template",
+}
+# An mlx-lm prompt cache holds no drafter state; tokenizers carry no default
+# chat template any more (mlx_lm.generate ignores that flag).
+_HIDDEN = ("prompt_cache_file", "use_default_chat_template")
 
 
 def setup_parser():
@@ -36,6 +49,9 @@ def setup_parser():
     )
     add_penalty_flags(parser)
     add_pipeline_flag(parser, "prints")
+    for action in parser._actions:
+        if action.dest in _HIDDEN:
+            action.help = argparse.SUPPRESS
     # The demo model was trained on Python code.
     parser.set_defaults(prompt="import os\nimport sys\n\n\ndef main(argv):\n    ")
     return parser
@@ -54,31 +70,64 @@ def _pipeline_errors(group):
         ) from None
 
 
+def _template_config(text):
+    """``--chat-template-config``: a JSON object of chat template arguments."""
+    if text is None:
+        return {}
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise CommandError(f"--chat-template-config is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CommandError(
+            f"--chat-template-config must be a JSON object, got {text!r:.60}"
+        )
+    return config
+
+
 @command("mlx_spec generate")
 def main(argv=None):
     args = setup_parser().parse_args(argv)
     refuse_unsupported(args, _UNSUPPORTED)
+    check_run_flags(args)
+    template_kwargs = _template_config(args.chat_template_config)
     processors = logits_processors_from_flags(args)
     group = join_pipeline(args)
+    extra_load = {}
+    if args.quantize_activations:
+        extra_load["model_config"] = {"quantize_activations": True}
     with warnings.catch_warnings():  # the report below says it in one line
         warnings.simplefilter("ignore", MTPDisabledWarning)
         _, model, tokenizer = load_model(
-            args.model, mtp_path=args.mtp_path, pipeline_group=group
+            args.model,
+            mtp_path=args.mtp_path,
+            pipeline_group=group,
+            tokenizer_config={"trust_remote_code": args.trust_remote_code},
+            adapter_path=args.adapter_path,
+            **extra_load,
         )
     quiet = group is not None and group.rank() != 0
-    for token in args.extra_eos_token:
-        tokenizer.add_eos_token(token)
+    add_extra_eos_tokens(tokenizer, args.extra_eos_token, vocab_size(model))
 
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
-    prompt = sys.stdin.read() if prompt == "-" else prompt
+    if prompt == "-":
+        prompt = read_text(sys.stdin, "the prompt on standard input")
     chat = not args.ignore_chat_template and tokenizer.has_chat_template
     if chat:
         messages = [{"role": "user", "content": prompt}]
         if args.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": args.system_prompt})
-        prompt = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        prefill = args.prefill_response is not None
+        if prefill:  # the reply continues this text, as in mlx_lm.generate
+            messages.append({"role": "assistant", "content": args.prefill_response})
+        with bad_input(Exception):  # a template's own error (jinja)
+            prompt = tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                continue_final_message=prefill,
+                add_generation_prompt=not prefill,
+                **template_kwargs,
+            )
     prompt = tokenizer.encode(prompt, add_special_tokens=not chat)
     sampler = sampler_from_flags(args, tokenizer)
     extra = {}

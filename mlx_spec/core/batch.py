@@ -21,6 +21,10 @@ empty slot). Each :meth:`step`:
    own per-token state.
 
 So each row's tokens are those it would get decoded alone.
+
+A row whose own sampler or logits processor raises fails alone
+(:mod:`.row_guard`): it keeps nothing of the pass, is stopped, and
+:meth:`BatchDecoder.error` names what it raised; the other rows' pass goes on.
 """
 
 import time
@@ -38,6 +42,7 @@ from .decode import SpeculativeDecoder
 from .policy import SourcePolicies, policies_by_source
 from .verify_profile import head_step_cost, verify_cost_profile
 from .ragged_cache import RaggedKVCache
+from .row_guard import RowFailed, RowGuard
 from .sampling import make_draft_sampler, make_sampler, scored_logprobs
 from .state import GDNSlotCache
 from .target import Target, queue_after
@@ -56,6 +61,7 @@ class _Row:
     processors: list = field(default_factory=list)  # mlx-lm logits processors
     seen: List[int] = field(default_factory=list)  # the tokens processors see
     done: bool = False
+    guard: RowGuard = field(default_factory=RowGuard)  # its callables' failure
 
 
 class BatchDecoder:
@@ -126,10 +132,12 @@ class BatchDecoder:
             else:
                 mine.append_row(theirs, len(self.rows))
         self._join_head(decoder.drafter)
-        sampler = sampler or make_sampler(0.0)
-        processors, seen = list(logits_processors or ()), list(decoder.history)
+        guard = RowGuard()
+        sampler = guard.sampler(sampler or make_sampler(0.0))
+        processors, seen = guard.processors(logits_processors), list(decoder.history)
         if decoder.drafter is not None:
-            decoder.drafter.set_sampling(make_draft_sampler(sampler, processors, seen))
+            choose = make_draft_sampler(sampler, processors, seen)
+            decoder.drafter.set_sampling(guard.chooser(choose))
         auto = num_draft_tokens == "auto"
         most = self.max_draft if auto else min(num_draft_tokens, self.max_draft)
         policy = None
@@ -142,11 +150,15 @@ class BatchDecoder:
             self.lengths = self.lengths or PassLength(costs, self.group)
         id, self._next_id = self._next_id, self._next_id + 1
         stops = set(stop_tokens)
-        row = _Row(
-            id, decoder, sampler, policy, most, max_tokens, stops, processors, seen
-        )
+        row = _Row(id, decoder, sampler, policy, most, max_tokens, stops)
+        row.processors, row.seen, row.guard = processors, seen, guard
         self.rows.append(row)
         return id
+
+    def error(self, id: int) -> Optional[Exception]:
+        """What sequence ``id``'s own sampler or logits processors raised
+        (None: nothing). A failed sequence is stopped; take it out."""
+        return self.rows[self._index(id)].guard.error
 
     def take(self, id: int) -> SpeculativeDecoder:
         """Remove sequence ``id``; it leaves as a single-sequence decoder whose
@@ -228,17 +240,19 @@ class BatchDecoder:
         kept, out = [0] * B, {}
         for b in active:
             row, draft = self.rows[b], drafts[b]
-            q = row.decoder.drafter.draft_probs if len(draft) else None
-            scores = logprobs[b, : lengths[b]]  # [1 + len(draft), V]
-            if row.processors:
-                draft = draft.tolist() if isinstance(draft, mx.array) else draft
-                scores = scored_logprobs(
-                    logits[b, : lengths[b]], row.seen, draft, row.processors
+            try:
+                n, token, scores = self._verify_row(
+                    row,
+                    draft,
+                    logits[b, : lengths[b]],
+                    logprobs[b, : lengths[b]],
+                    plain,
                 )
+            except RowFailed:  # it keeps nothing of the pass; the others go on
+                row.done = True
+                continue
             if plain is not None:  # sampled as verify_draft samples a plain pass
                 n, token = 0, plain[b]
-            else:
-                n, token = verify_draft(draft, scores, row.sampler, q)
             draft = draft.tolist() if isinstance(draft, mx.array) else draft
             emitted = self._truncate(row, draft[:n] + [token])
             row.seen.extend(emitted)  # in place: the draft sampler reads it
@@ -257,6 +271,25 @@ class BatchDecoder:
             elapsed = time.perf_counter() - tic
             self.lengths.observe(B, T, elapsed, head_steps, catch_up)
         return out
+
+    def _verify_row(self, row: _Row, draft, logits, logprobs, plain):
+        """``(accepted, next token, scores)`` of a row's part of the pass
+        (its ``logits`` and ``logprobs`` [1 + len(draft), V]; ``scores``:
+        the log-probabilities it samples from); ``plain`` (the tokens of a
+        plain pass queued ahead): the row's token is chosen already (None
+        here). Raises :class:`RowFailed` when the row's own sampler or
+        logits processors raise, now or while it drafted."""
+        if row.guard.error is not None:
+            raise RowFailed(row.guard.error)
+        scores = logprobs
+        if row.processors:
+            draft = draft.tolist() if isinstance(draft, mx.array) else draft
+            scores = scored_logprobs(logits, row.seen, draft, row.processors)
+        if plain is not None:
+            return 0, None, scores
+        q = row.decoder.drafter.draft_probs if len(draft) else None
+        n, token = verify_draft(draft, scores, row.sampler, q)
+        return n, token, scores
 
     def _copies_pay(self, drafts: Dict[int, list]) -> bool:
         """Whether the copies the ``auto`` rows found are worth their pass
@@ -312,14 +345,18 @@ class BatchDecoder:
                 return False
         return True
 
-    def _queue_plain(self, logprobs: mx.array) -> List[int]:
+    def _queue_plain(self, logprobs: mx.array) -> Optional[List[int]]:
         """Each row's token of this plain pass (logprobs: [B, 1, V]). This
         pass is committed and the next one, over these tokens, queued before
         the host waits for them, as mlx-lm decodes: the device computes it
-        while the host does this pass's bookkeeping."""
-        choices = mx.concatenate(
-            [row.sampler(logprobs[b]) for b, row in enumerate(self.rows)]
-        )  # [B]
+        while the host does this pass's bookkeeping. None (nothing queued)
+        when a row's sampler fails."""
+        try:
+            choices = mx.concatenate(
+                [row.sampler(logprobs[b]) for b, row in enumerate(self.rows)]
+            )  # [B]
+        except RowFailed:  # that row fails in the pass, which queues nothing
+            return None
         self._queued = queue_after(choices, logprobs, lambda: self._start_next(choices))
         return choices.tolist()
 

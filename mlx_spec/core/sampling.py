@@ -8,8 +8,13 @@ distribution for verification. XTC draws a coin per step, so its distribution
 is not a fixed function of the logits: with ``xtc_probability > 0`` mlx-lm's
 own sampler is returned, and drafts are verified by sample-and-match (still
 exact, fewer acceptances).
+
+A ``top_k`` at least the vocabulary size keeps every token: the filter is
+skipped, where mlx-lm's ``apply_top_k`` raises (see :func:`top_k_filter`).
 """
 
+import math
+import numbers
 from typing import List, Optional
 
 import mlx.core as mx
@@ -37,7 +42,7 @@ class Sampler:
         if min_p != 0.0:
             self.filters.append(lambda x: apply_min_p(x, min_p, min_tokens_to_keep))
         if top_k > 0:
-            self.filters.append(lambda x: apply_top_k(x, top_k))
+            self.filters.append(top_k_filter(top_k))
 
     @property
     def greedy(self) -> bool:
@@ -55,8 +60,22 @@ class Sampler:
         return mx.random.categorical(self.logits(logprobs))
 
 
+def top_k_filter(top_k: int):
+    """The ``top_k`` filter of log-probabilities [..., V]: mlx-lm's
+    ``apply_top_k`` when ``top_k < V``, else nothing (the top ``V`` of ``V``
+    tokens are all of them; mlx-lm refuses such a ``top_k`` only once it
+    samples, which would fail one request in the middle of a batch)."""
+
+    def keep_top_k(logprobs: mx.array) -> mx.array:
+        if top_k >= logprobs.shape[-1]:
+            return logprobs
+        return apply_top_k(logprobs, top_k)
+
+    return keep_top_k
+
+
 def _check_temp(temp: float):
-    if temp < 0:
+    if not (isinstance(temp, numbers.Real) and math.isfinite(temp) and temp >= 0):
         raise ValueError(f"temp must be >= 0, got {temp!r}")
 
 
@@ -81,16 +100,23 @@ def make_sampler(
                 "xtc_probability must be in 0..1 and xtc_threshold in 0..0.5, got "
                 f"{xtc_probability!r} and {xtc_threshold!r}"
             )
-        return mlx_make_sampler(
-            temp,
-            top_p,
-            min_p,
-            min_tokens_to_keep,
-            top_k=top_k,
+        options = dict(
             xtc_probability=xtc_probability,
             xtc_threshold=xtc_threshold,
             xtc_special_tokens=xtc_special_tokens,
         )
+        sampler = mlx_make_sampler(temp, top_p, min_p, min_tokens_to_keep, **options)
+        if top_k <= 0:
+            return sampler
+        with_top_k = mlx_make_sampler(
+            temp, top_p, min_p, min_tokens_to_keep, top_k=top_k, **options
+        )
+
+        def xtc_sampler(logprobs: mx.array) -> mx.array:
+            small = top_k < logprobs.shape[-1]  # else top-k keeps every token
+            return (with_top_k if small else sampler)(logprobs)
+
+        return xtc_sampler
     return Sampler(temp, top_p, min_p, min_tokens_to_keep, top_k)
 
 

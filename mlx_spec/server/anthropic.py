@@ -17,6 +17,7 @@ from .requests import (
     ServerContext,
     chat_prompt,
     check_model,
+    check_text,
     field,
     generation_params,
 )
@@ -42,16 +43,22 @@ def _text_of(blocks, where: str) -> str:
     if not isinstance(blocks, list):
         raise RequestError(f"{where} must be a string or a list of blocks")
     parts = []
-    for b in blocks:
-        if not isinstance(b, dict) or b.get("type") != "text":
-            raise RequestError(f"{where}: only text blocks are supported here")
-        parts.append(_string(b.get("text"), f"{where} text"))
+    for j, b in enumerate(blocks):
+        at = f"{where}[{j}]"
+        if not isinstance(b, dict):
+            raise RequestError(f"{at} must be a content block object, got {b!r:.40}")
+        if b.get("type") != "text":
+            raise RequestError(
+                f"{at}: only text blocks are supported here, got type "
+                f"{b.get('type')!r:.40}"
+            )
+        parts.append(_string(b.get("text"), f"{at}.text"))
     return "".join(parts)
 
 
 def _string(value, where: str) -> str:
     if not isinstance(value, str):
-        raise RequestError(f"{where} must be a string, got {value!r}")
+        raise RequestError(f"{where} must be a string, got {value!r:.40}")
     return value
 
 
@@ -68,8 +75,10 @@ def _message(i: int, m) -> List[Dict[str, Any]]:
         raise RequestError(f"{where}.content must be a string or a list of blocks")
     text, thinking, calls, results = [], [], [], []
     for j, b in enumerate(content):
-        kind = b.get("type") if isinstance(b, dict) else None
         at = f"{where}.content[{j}]"
+        if not isinstance(b, dict):
+            raise RequestError(f"{at} must be a content block object, got {b!r:.40}")
+        kind = b.get("type")
         if kind == "text":
             text.append(_string(b.get("text"), f"{at}.text"))
         elif kind == "thinking":
@@ -132,6 +141,7 @@ def _tools(tools) -> Optional[List[dict]]:
 
 def messages_request(body, ctx: ServerContext):
     """``(prompt, initial state, params)`` of a ``/v1/messages`` body."""
+    check_text(body)
     check_model(body, ctx)
     if "max_tokens" not in body:
         raise RequestError("'max_tokens' is required")

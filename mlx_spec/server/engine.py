@@ -19,7 +19,9 @@ common part and continues from the state kept there (:mod:`.prefill`).
 
 A job's events: ``Started`` once (prompt and cached token counts), then
 ``Token``, ``Segment`` (content or reasoning) and ``ToolCall`` events, then
-``Finished``; or one exception. ``Job.cancel()`` (a client that went away)
+``Finished``; or one exception (a request whose own sampler or logits
+processors raise gets theirs and leaves the batch; the others go on, see
+:mod:`~mlx_spec.core.row_guard`). ``Job.cancel()`` (a client that went away)
 ends its generation after the current pass.
 """
 
@@ -328,6 +330,13 @@ class Engine:
         self.work["rows"] += rows
         active = set(batch.active)
         for id, output in list(self._live.items()):
+            error = batch.error(id)
+            if error is not None:  # its own sampling raised: it alone ends
+                batch.take(id)  # its state, drafted but not verified, is dropped
+                del self._live[id]
+                log.warning("request failed in its sampling: %r", error)
+                output.job.put(error)
+                continue
             if output.job.cancelled and output.reason is None:
                 output.reason = "cancelled"
             if output.reason is None and id in active:

@@ -116,18 +116,31 @@ def generation_params(body, ctx: ServerContext, max_tokens_field="max_tokens"):
         max_tokens=max_tokens,
         temperature=field(body, "temperature", "number", d["temperature"], low=0),
         top_p=field(body, "top_p", "number", d["top_p"], low=0, high=1),
-        top_k=field(body, "top_k", "int", d["top_k"], low=0),
+        top_k=top_k(body, ctx),
         min_p=field(body, "min_p", "number", d["min_p"], low=0, high=1),
         xtc_probability=field(body, "xtc_probability", "number", 0.0, low=0, high=1),
         xtc_threshold=field(body, "xtc_threshold", "number", 0.1, low=0, high=0.5),
-        seed=field(body, "seed", "int"),
+        seed=field(body, "seed", "int", low=0, high=MAX_SEED),
         stop=list(stop or []),
         draft=draft,
         num_draft_tokens=num_draft_tokens,
     )
 
 
+def top_k(body, ctx: ServerContext) -> int:
+    """``top_k`` for the engine: 0 (every token) for 0, -1 (vLLM's "off")
+    and any value not below the vocabulary size, where keeping the top k
+    tokens keeps them all (vLLM clamps it so too; mlx-lm's sampler would
+    refuse it in the middle of a batch)."""
+    value = field(body, "top_k", "int", ctx.defaults["top_k"], low=-1)
+    if value == -1 or ctx.vocab_size is not None and value >= ctx.vocab_size:
+        return 0
+    return value
+
+
 MAX_BIAS = 100  # OpenAI's bound on a logit_bias value
+MAX_SEED = 2**64 - 1  # MLX's random seed is an unsigned 64-bit integer
+MAX_CONTEXT_SIZE = 2**31 - 1  # a penalty's window, in tokens
 
 
 def logits_processing(body, ctx: ServerContext) -> Dict[str, Any]:
@@ -136,7 +149,7 @@ def logits_processing(body, ctx: ServerContext) -> Dict[str, Any]:
     args = {}
     for name, low, context in PENALTIES:
         value = field(body, name, "number", low=low)
-        size = field(body, context, "int", low=1)
+        size = field(body, context, "int", low=1, high=MAX_CONTEXT_SIZE)
         if value:  # 0 is off, as in mlx_lm.server
             args[name] = value
             if size is not None:
@@ -204,12 +217,65 @@ def chat_prompt(messages, tools, ctx: ServerContext, template_kwargs=None):
                 f"messages[{i}].content must be a string or a list of parts",
                 param="messages",
             )
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            _check_text_part(part, f"messages[{i}].content[{j}]")
     if tools is not None and not isinstance(tools, list):
         raise RequestError("'tools' must be a list", param="tools")
     prompt = _render(messages, tools, ctx, template_kwargs)
     check_length(prompt, ctx)
     shared = _system_prefix(messages, tools, ctx, template_kwargs, prompt)
     return prompt, initial_state(ctx.tokenizer, prompt), shared
+
+
+def _check_text_part(part, where: str):
+    """A content part: ``{"type": "text", "text": "..."}`` (the only kind a
+    text model's chat template is given)."""
+    if not isinstance(part, dict):
+        raise RequestError(
+            f"{where} must be an object with 'type' and 'text', got {part!r:.40}",
+            param="messages",
+        )
+    if part.get("type") != "text":
+        raise RequestError(
+            f"{where}: only 'text' parts are supported, got type "
+            f"{part.get('type')!r:.40}",
+            param="messages",
+        )
+    if not isinstance(part.get("text"), str):
+        raise RequestError(
+            f"{where}.text must be a string, got {part.get('text')!r:.40}",
+            param="messages",
+        )
+
+
+def check_text(body):
+    """``RequestError`` naming the first string of ``body`` (a key or a value,
+    at any depth) that is not Unicode text: JSON escapes such as ``\\ud800``
+    decode to a lone surrogate, which no tokenizer can encode."""
+    todo = [(body, "")]
+    while todo:  # a loop, not recursion: nesting depth is the client's
+        value, where = todo.pop()
+        if isinstance(value, str):
+            _check_string(value, where or "the body")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                at = f"{where}.{key}" if where else str(key)
+                _check_string(key, f"a key of {where or 'the body'}")
+                todo.append((item, at))
+        elif isinstance(value, list):
+            todo += [(item, f"{where}[{i}]") for i, item in enumerate(value)]
+
+
+def _check_string(text: str, where: str):
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        param = where.split(".")[0].split("[")[0]
+        raise RequestError(
+            f"{where} is not valid Unicode text: a lone surrogate "
+            f"{text[e.start]!r} at character {e.start}",
+            param=param,
+        ) from None
 
 
 def _system_prefix(messages, tools, ctx, template_kwargs, prompt) -> int:
@@ -272,6 +338,7 @@ def initial_state(tokenizer, prompt: List[int]) -> str:
 def openai_request(path: str, body, ctx: ServerContext) -> Tuple[List[int], str, Any]:
     """``(prompt, initial state, params)`` of a ``/v1/chat/completions`` or
     ``/v1/completions`` body; ``params`` also carries the response options."""
+    check_text(body)
     check_model(body, ctx)
     check_unsupported(body)
     params = generation_params(body, ctx)

@@ -1,0 +1,83 @@
+"""A batch row's own sampler and logits processors, whose failures stay in
+that row.
+
+Every row of a :class:`~mlx_spec.core.batch.BatchDecoder` brings its own
+sampler and logits processors (a request's sampling fields). One that raises
+must end that row only: the pass goes on for the others, whose tokens are
+those they get alone, and nothing shared is left broken. A :class:`RowGuard`
+wraps a row's callables: the first exception one of them raises is kept as
+the row's ``error`` (and every later call raises at once), the process-wide
+random state is put back as it was before the call (see
+:func:`~mlx_spec.mlx_lm_compat.keeps_random_state`), and the caller gets a
+:class:`RowFailed`, which only this row's part of a pass catches. A draft
+chooser never raises: a failed row's draft is the drafter's argmax, never
+verified (the row leaves at the end of the pass).
+"""
+
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+
+from ..mlx_lm_compat import keeps_random_state
+
+
+class RowFailed(Exception):
+    """A row's own sampler or logits processor raised ``error``."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+class RowGuard:
+    """One row's callables, wrapped; ``error``: the first one that raised."""
+
+    def __init__(self):
+        self.error: Optional[Exception] = None
+
+    def _guarded(self, fn: Callable) -> Callable:
+        keeping = keeps_random_state(fn)
+
+        def call(*args):
+            if self.error is not None:
+                raise RowFailed(self.error)
+            try:
+                return keeping(*args)
+            except Exception as e:
+                self.error = e
+                raise RowFailed(e) from e
+
+        return call
+
+    def sampler(self, sampler):
+        """``sampler`` guarded, with its ``greedy`` and ``logits`` (what
+        verification and drafting read) where it has them."""
+        guarded = self._guarded(sampler)
+        if hasattr(sampler, "greedy"):
+            guarded.greedy = sampler.greedy
+        if hasattr(sampler, "logits"):
+            guarded.logits = self._guarded(sampler.logits)
+        return guarded
+
+    def processors(self, processors) -> List[Callable]:
+        return [self._guarded(p) for p in processors or ()]
+
+    def chooser(self, choose: Optional[Callable]) -> Optional[Callable]:
+        """A drafter's ``choose(logits, drafted)`` that falls back to the
+        argmax (q None) once the row failed, rather than raising in the
+        middle of a draft the batch's other rows share."""
+        if choose is None:
+            return None
+
+        def safe_choose(logits: mx.array, drafted):
+            if self.error is None:
+                try:
+                    return choose(logits, drafted)
+                except RowFailed:
+                    pass  # the error is kept
+                except Exception as e:  # the row's processing of its logits
+                    self.error = e
+            return mx.argmax(logits), None
+
+        safe_choose.samples = getattr(choose, "samples", True)
+        return safe_choose

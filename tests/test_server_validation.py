@@ -1,0 +1,209 @@
+"""Bad sampling fields and malformed text, on the OpenAI and Anthropic
+endpoints: a 400 naming the field, before anything reaches the engine; and a
+``top_k`` past the vocabulary, sent beside other requests, harms none of them.
+
+One server process on 127.0.0.1 (a free port) serves the module's tests,
+reached with a plain HTTP client (only the request and response shapes
+matter here, not the HTTP stack behind them).
+"""
+
+import http.client
+import json
+import threading
+
+import mlx_lm
+import pytest
+
+from mlx_spec.mlx_lm_compat import server_message_helpers
+from mlx_spec.testing.checkpoints import write_tiny_checkpoint
+from mlx_spec.testing.server import free_port, mlx_spec_server, running_server
+
+MODEL_ID = "tiny"
+VOCAB = 512  # the tiny checkpoint's vocab_size
+PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for"
+OPENAI = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = OPENAI + ("/v1/messages",)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("srv") / MODEL_ID, "qwen3_next"
+    )
+    port = free_port()
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    argv = mlx_spec_server(path, port, "--num-draft-tokens", "3")
+    with running_server(argv, port, log=str(log)):
+        yield path, port
+
+
+def post(port, path, body, raw=None):
+    """(status, parsed JSON) of a plain HTTP POST (``raw``: the body's bytes)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        data = raw if raw is not None else json.dumps(body).encode()
+        conn.request("POST", path, data, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def request(path, max_tokens=4, **fields):
+    """A minimal valid body for ``path`` with ``fields`` added."""
+    if path == "/v1/completions":
+        body = {"prompt": PROMPT}
+    else:
+        body = {"messages": [{"role": "user", "content": PROMPT}]}
+    return {"model": MODEL_ID, "max_tokens": max_tokens, **body, **fields}
+
+
+def error_message(body) -> str:
+    return body["error"]["message"]
+
+
+BAD_FIELDS = {
+    "seed": [-1, 2**64, 1.5, "7"],
+    "temperature": [-0.1, "hot"],
+    "top_p": [1.5, -0.2],
+    "min_p": [2, -1],
+    "top_k": [-2, 2.5, True],
+    "xtc_probability": [1.5],
+    "max_tokens": [0, -3],
+}
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+@pytest.mark.parametrize(
+    "name, value", [(n, v) for n, values in BAD_FIELDS.items() for v in values]
+)
+def test_a_bad_sampling_field_is_a_400_naming_it(server, path, name, value):
+    status, body = post(server[1], path, request(path, **{name: value}))
+    assert status == 400, body
+    assert f"'{name}'" in error_message(body) and repr(value) in error_message(body)
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+@pytest.mark.parametrize("name", ["temperature", "top_p", "seed"])
+def test_nan_and_infinity_are_refused(server, path, name):
+    for literal in ("NaN", "Infinity", "-Infinity"):
+        raw = json.dumps(request(path))[:-1] + f', "{name}": {literal}}}'
+        status, body = post(server[1], path, None, raw=raw.encode())
+        assert status == 400 and f"'{name}'" in error_message(body), body
+
+
+@pytest.mark.parametrize("path", OPENAI)
+@pytest.mark.parametrize(
+    "name, value, named",
+    [
+        ("logit_bias", {str(VOCAB): 1.0}, f"below {VOCAB}"),
+        ("logit_bias", {"-1": 1.0}, "'-1'"),
+        ("logit_bias", {"5": float("nan")}, "nan"),
+        ("presence_penalty", "x", "'presence_penalty'"),
+        ("repetition_penalty", -1, "'repetition_penalty'"),
+        ("repetition_context_size", 10**30, "'repetition_context_size'"),
+    ],
+)
+def test_bad_logits_processing_is_a_400_naming_it(server, path, name, value, named):
+    fields = {name: value}
+    if name.endswith("context_size"):
+        fields["repetition_penalty"] = 1.2
+    status, body = post(server[1], path, request(path, **fields))
+    assert status == 400 and named in error_message(body), body
+
+
+@pytest.mark.parametrize(
+    "path, field, named",
+    [
+        ("/v1/completions", "prompt", "prompt"),
+        ("/v1/chat/completions", "messages", "messages[0].content"),
+        ("/v1/messages", "messages", "messages[0].content"),
+        ("/v1/messages", "system", "system"),
+        ("/v1/chat/completions", "stop", "stop"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_where(server, path, field, named):
+    body = request(path)
+    text = "hello \ud800 there"
+    if field == "messages":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body[field] = text
+    status, reply = post(server[1], path, body)  # json.dumps writes \ud800
+    assert status == 400, reply
+    assert named in error_message(reply) and "surrogate" in error_message(reply)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+@pytest.mark.parametrize(
+    "content, named",
+    [
+        ([5], "messages[0].content[0]"),
+        ([{"type": "text"}], "messages[0].content[0].text"),
+        ([{"type": "text", "text": "a"}, {"type": "image"}], "messages[0].content[1]"),
+        (["hello"], "messages[0].content[0]"),
+    ],
+)
+def test_bad_content_parts_are_a_400_naming_them(server, path, content, named):
+    body = request(path, messages=[{"role": "user", "content": content}])
+    status, reply = post(server[1], path, body)
+    assert status == 400, reply
+    assert named in error_message(reply), reply
+
+
+def test_text_parts_are_joined_as_one_string(server):
+    parts = [
+        {"type": "text", "text": PROMPT[:10]},
+        {"type": "text", "text": PROMPT[10:]},
+    ]
+    path = "/v1/chat/completions"
+    one = post(server[1], path, request(path, max_tokens=6))
+    split = post(
+        server[1], path, request(path, 6, messages=[{"role": "user", "content": parts}])
+    )
+    assert one[0] == split[0] == 200
+    text = [r[1]["choices"][0]["message"]["content"] for r in (one, split)]
+    assert text[0] == text[1]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages"])
+def test_top_k_past_the_vocabulary_harms_no_other_request(server, path):
+    """A ``top_k`` of at least the vocabulary size, sampled, beside greedy
+    requests: every request is answered, the greedy ones as mlx-lm decodes
+    them, and sampled requests after it still work. A ``top_k`` past the
+    vocabulary keeps every token (as vLLM clamps it)."""
+    model, tok = mlx_lm.load(str(server[0]))
+    if path == "/v1/completions":
+        prompt = tok.encode(PROMPT)
+    else:  # the tiny tokenizer has no chat template: mlx_lm.server's text
+        convert_chat, _ = server_message_helpers()
+        prompt = tok.encode(convert_chat([{"role": "user", "content": PROMPT}]))
+    want = mlx_lm.generate(model, tok, prompt, max_tokens=12)
+    results = {}
+
+    def client(name, body):
+        results[name] = post(server[1], path, body)
+
+    bodies = {
+        "huge_top_k": request(path, 12, temperature=0.7, top_k=5000),
+        "vocab_top_k": request(path, 12, temperature=0.7, top_k=VOCAB),
+        "greedy": request(path, 12, temperature=0.0),
+        "greedy_2": request(path, 12, temperature=0.0),
+    }
+    threads = [threading.Thread(target=client, args=item) for item in bodies.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads)
+    assert {name: r[0] for name, r in results.items()} == dict.fromkeys(bodies, 200)
+    for name in ("greedy", "greedy_2"):
+        reply = results[name][1]
+        text = (
+            reply["choices"][0]["text"]
+            if path == "/v1/completions"
+            else "".join(b["text"] for b in reply["content"] if b["type"] == "text")
+        )
+        assert text == want
+    later = post(server[1], path, request(path, 8, temperature=0.9, top_k=7))
+    assert later[0] == 200, later
