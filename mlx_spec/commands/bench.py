@@ -47,7 +47,15 @@ from ..drafters import DRAFTS
 from ..generate import stream_generate
 from ..mlx_lm_compat import plain_stream_generate
 from .bench_report import format_table, lossless_report, plot
-from .common import CommandError, bad_input, command, draft_length, load_model
+from .common import (
+    MODEL_HELP,
+    CommandError,
+    add_revision_flag,
+    bad_input,
+    command,
+    draft_length,
+    load_model,
+)
 
 KINDS = ("copy", "free", "long")
 
@@ -317,7 +325,8 @@ def setup_parser():
     p = argparse.ArgumentParser(
         prog="mlx_spec bench", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--model", help="Model directory (default: the bundled demo model).")
+    p.add_argument("--model", help=MODEL_HELP)
+    add_revision_flag(p)
     p.add_argument(
         "--draft",
         nargs="+",
@@ -353,7 +362,7 @@ def main(argv=None):
     args = setup_parser().parse_args(argv)
     if args.repeats < 1:
         raise CommandError(f"--repeats must be >= 1, got {args.repeats}")
-    model_path, model, tok = load_model(args.model)
+    model_path, model, tok = load_model(args.model, revision=args.revision)
     with bad_input():
         workloads = load_workloads(args.workloads_file, args.workload, tok)
     if args.max_tokens:

@@ -19,6 +19,7 @@ from ..core.state import ROLLBACK_STRATEGIES
 from ..demo import default_model_path
 from ..drafters import DRAFTS
 from ..drafters.base import MAX_DRAFT_TOKENS
+from ..hub import HubError, is_repo_id, resolve_model, resolve_mtp_path
 from ..loading import load
 from ..mlx_lm_compat import PENALTIES, make_logits_processors
 from ..models.mtp import SIDECAR_NAME
@@ -46,9 +47,11 @@ def add_draft_options(parser: argparse.ArgumentParser):
     )
     parser.add_argument(
         "--mtp-path",
-        help="MTP head sidecar (mtp.safetensors written by 'mlx_spec convert') "
-        "for a model directory without one.",
+        help="MTP head for a model without one: a sidecar file (mtp.safetensors "
+        "written by 'mlx_spec convert'), a directory holding one, or a Hugging "
+        "Face repo id (only its MTP files are downloaded).",
     )
+    add_revision_flag(parser)
     parser.add_argument(
         "--max-ngram",
         type=int,
@@ -71,6 +74,23 @@ def add_draft_options(parser: argparse.ArgumentParser):
         "(default): chosen each pass from the measured verify cost and the "
         "acceptance so far, 0 while speculation does not pay."
     )
+
+
+def add_revision_flag(parser: argparse.ArgumentParser):
+    """``--revision``: the branch, tag or commit of a ``--model`` repo id."""
+    if not any(a.dest == "revision" for a in parser._actions):
+        parser.add_argument(
+            "--revision",
+            default=None,
+            help="Branch, tag or commit of a --model given as a Hugging Face "
+            "repo id (default: main).",
+        )
+
+
+MODEL_HELP = (
+    "Model directory or Hugging Face repo id (downloaded as mlx_lm does, into "
+    "the Hugging Face cache; default: the bundled demo model)."
+)
 
 
 def add_pipeline_flag(parser: argparse.ArgumentParser, rank0_does: str):
@@ -104,7 +124,7 @@ def add_speculation_flags(parser: argparse.ArgumentParser, prog: str, about: str
     add_draft_options(parser)
     model = next(a for a in parser._actions if a.dest == "model")
     model.default = None
-    model.help = "Model directory (default: the bundled demo model)."
+    model.help = MODEL_HELP
     return parser
 
 
@@ -188,20 +208,36 @@ def check_model_files(path: Path, mtp_path=None):
             check_safetensors(file)
 
 
-def load_model(path=None, mtp_path=None, **kwargs):
-    """``(path, model, tokenizer)``: ``path`` (default: the bundled demo model)
-    loaded by :func:`mlx_spec.load`; any failure is a :class:`CommandError`."""
+def load_model(path=None, mtp_path=None, revision=None, **kwargs):
+    """``(path, model, tokenizer)``: ``path`` (a directory or a Hugging Face
+    repo id at ``revision``; default: the bundled demo model) loaded by
+    :func:`mlx_spec.load`; any failure is a :class:`CommandError`."""
+    name = str(path) if path else None  # as given: Path() drops a leading ./
     with bad_input(FileNotFoundError):
         path = Path(path) if path else default_model_path()
+    if name and not path.exists() and is_repo_id(name):
+        with bad_input(HubError):
+            path = resolve_model(name, revision)
     if not path.is_dir():
         state = "is not a directory" if path.exists() else "does not exist"
         raise CommandError(f"model directory {str(path)!r} {state}")
+    if mtp_path is not None:
+        with bad_input(HubError, FileNotFoundError):
+            mtp_path = resolve_mtp_path(mtp_path)
     check_model_files(path, mtp_path)
     try:
         model, tokenizer = load(path, mtp_path=mtp_path, **kwargs)
     except Exception as e:  # whatever the files hold, one line naming them
         raise CommandError(f"cannot load the model in {path}: {one_line(e)}") from None
     return path, model, tokenizer
+
+
+def model_name(name, path: Path) -> str:
+    """What to call the model loaded from ``path`` for ``--model name``: the
+    repo id when it was downloaded, else the directory's name."""
+    if name and not Path(name).exists() and is_repo_id(str(name)):
+        return str(name)
+    return path.name
 
 
 def sampler_from_flags(args, tokenizer):

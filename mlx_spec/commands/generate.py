@@ -59,7 +59,10 @@ def main(argv=None):
     processors = logits_processors_from_flags(args)
     group = join_pipeline(args)
     _, model, tokenizer = load_model(
-        args.model, mtp_path=args.mtp_path, pipeline_group=group
+        args.model,
+        mtp_path=args.mtp_path,
+        revision=args.revision,
+        pipeline_group=group,
     )
     quiet = group is not None and group.rank() != 0
     for token in args.extra_eos_token:
