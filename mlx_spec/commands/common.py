@@ -188,17 +188,72 @@ def check_safetensors(file: Path):
         ) from None
 
 
+# What a model directory needs for mlx-lm's tokenizer loading (one of these).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "*.tiktoken",
+    "tiktoken.model",
+)
+# Config fields that size the model: a non-integer fails deep inside mlx-lm.
+SIZE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "max_position_embeddings",
+    "full_attention_interval",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+
+
+def check_config_sizes(config: dict, file: Path):
+    """Raise :class:`CommandError` naming ``file`` and the key for a size
+    field (top level or ``text_config``) that is not a non-negative integer."""
+    sections = [("", config)]
+    if isinstance(config.get("text_config"), dict):
+        sections.append(("text_config.", config["text_config"]))
+    for where, section in sections:
+        for key in SIZE_FIELDS:
+            value = section.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CommandError(
+                    f"{file}: {where}{key}={value!r} is not a non-negative integer"
+                )
+
+
 def check_model_files(path: Path, mtp_path=None):
     """Check what loading reads first: ``config.json`` and every weight file's
     header, so a broken one is named rather than failing deep inside loading."""
     config = path / "config.json"
     try:
-        if not isinstance(json.loads(config.read_text()), dict):
+        values = json.loads(config.read_text())
+        if not isinstance(values, dict):
             raise ValueError("not a JSON object")
     except FileNotFoundError:
         raise CommandError(f"{path} has no config.json") from None
     except (OSError, ValueError) as e:
         raise CommandError(f"{config} is not a valid config: {one_line(e)}") from None
+    check_config_sizes(values, config)
+    if not any(any(path.glob(p)) for p in TOKENIZER_FILES):
+        raise CommandError(
+            f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
+        )
     files = sorted(path.glob("*.safetensors"))
     if mtp_path is not None:
         mtp = Path(mtp_path)

@@ -45,6 +45,7 @@ from .common import BAD_INPUT, CommandError, check_model_files, one_line
 
 MTP_DTYPES = ("bfloat16", "float16", "float32")
 MTP_BITS = (4, 8)
+TARGET_DTYPES = ("float16", "bfloat16", "float32")  # mlx_lm.convert's choices
 
 _FOUR_BIT_HELP = (
     "allow --mtp-bits 4. Refused by default: the head is one small layer whose "
@@ -91,6 +92,8 @@ def convert(
             "refusing to quantise the MTP head to 4 bits (it destroys draft "
             "acceptance); use --mtp-bits 8, or --force-4bit to do it anyway"
         )
+    if dtype is not None and dtype not in TARGET_DTYPES:
+        raise ValueError(f"dtype must be one of {TARGET_DTYPES}, got {dtype!r}")
     flag = "--mtp-from" if mtp_only else "--hf-path"
     out = Path(mlx_path)
     if mtp_only and not (out / "config.json").exists():
@@ -249,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-q", "--quantize", action="store_true", help="quantise the target")
     g.add_argument("--q-bits", type=int, default=None, help="target bits")
     g.add_argument("--q-group-size", type=int, default=None, help="target group size")
-    g.add_argument("--dtype", default=None, help="target dtype")
+    g.add_argument("--dtype", choices=TARGET_DTYPES, default=None, help="target dtype")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
