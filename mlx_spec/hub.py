@@ -52,6 +52,8 @@ def is_repo_id(name: str) -> bool:
 
     if name.count("/") != 1 or name.startswith((".", "~")):
         return False
+    if name.endswith((".safetensors", ".json")):  # a file path, not a repo
+        return False
     try:
         validate_repo_id(name)
     except HFValidationError:
@@ -209,18 +211,19 @@ def hub_errors(repo: str, revision: Optional[str], what: str) -> Iterator[None]:
             f"and {why}"
         ) from None
     except EntryNotFoundError as e:
-        raise HubError(f"{name}: {_first_line(e)}") from None
+        raise HubError(f"{name}: {_one_line(e)}") from None
     except HfHubHTTPError as e:
-        raise HubError(f"{name}: the hub answered {_first_line(e)}") from None
+        raise HubError(f"{name}: the hub answered {_one_line(e)}") from None
     except (OSError, ValueError, RuntimeError) as e:
-        raise HubError(f"{name}: download failed: {_first_line(e)}") from None
+        raise HubError(f"{name}: download failed: {_one_line(e)}") from None
     except Exception as e:  # the HTTP client's own errors (connection lost, ...)
         raise HubError(
-            f"{name}: download interrupted ({type(e).__name__}: {_first_line(e)}); "
+            f"{name}: download interrupted ({type(e).__name__}: {_one_line(e)}); "
             "run the command again to resume it"
         ) from None
 
 
-def _first_line(error: BaseException) -> str:
+def _one_line(error: BaseException) -> str:
+    """The error's text on one line (huggingface_hub's span several)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
+    return " ".join(lines) if lines else type(error).__name__

@@ -398,3 +398,39 @@ def test_fetched_tensors_are_checked_against_the_shard_header(tmp_path):
         _parse_header("x", json.dumps(bad).encode(), 200)
     with pytest.raises(HubError, match="mtp.a"):  # past the end of the file
         _parse_header("x", json.dumps(good).encode(), 30)
+
+
+@pytest.mark.parametrize(
+    "named, used",
+    [
+        ("heads/mtp.safetensors", "heads/mtp.safetensors"),
+        ("/etc/passwd", None),
+        ("../other/mtp.safetensors", None),
+        ("a\\..\\b", None),
+        (7, None),
+    ],
+)
+def test_the_config_names_an_mtp_file_only_inside_the_model(tmp_path, named, used):
+    """``mlx_lm_extra_tensors.mtp_file`` is untrusted: absolute and ``..``
+    paths are ignored (with a warning), never fetched or read."""
+    from mlx_spec.hub import config_mtp_file
+
+    config = {"model_type": "qwen3_5", "mlx_lm_extra_tensors": {"mtp_file": named}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if used is None and isinstance(named, str):
+        with pytest.warns(UserWarning, match="mtp_file"):
+            assert config_mtp_file(tmp_path) is None
+    else:
+        assert config_mtp_file(tmp_path) == used
+
+
+def test_a_shard_missing_from_the_repo_is_one_line(hub, env, repos, tmp_path):
+    broken = shutil.copytree(repos["raw"], tmp_path / "broken")
+    (broken / LAST_SHARD).unlink()
+    hub.add_repo("Qwen/Broken", broken)
+    mlx = shutil.copytree(repos["mlx"], tmp_path / "mlx")
+    line = _error_line(
+        _cli("convert", "--mtp-from", "Qwen/Broken", "--mlx-path", str(mlx), env=env)
+    )
+    assert "Qwen/Broken" in line and f"{LAST_SHARD} not found" in line
+    assert not (mlx / "mtp.safetensors").exists()
