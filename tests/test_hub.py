@@ -334,11 +334,10 @@ def test_mtp_from_fetches_only_the_mtp_byte_ranges(hub, env, repos, tmp_path):
     assert header + mtp < 0.2 * shard
     assert f"fetched {(header + mtp) / 1000:.1f} KB (range reads)" in done.stdout
     _same_head(mlx, repos["raw"])
-    # again: nothing is fetched, the tensors are in the cache
-    hub.reset_counts()
-    done = _mtp_from(env, mlx)
-    assert done.returncode == 0 and "already fetched" in done.stdout
-    assert hub.sent(RELEASE, LAST_SHARD) == 0
+    # again, offline with the hub stopped: the tensors are in the cache
+    hub.stop()
+    done = _mtp_from(dict(env, HF_HUB_OFFLINE="1"), mlx)
+    assert done.returncode == 0 and "already fetched" in done.stdout, done.stderr
 
 
 def test_mtp_from_resumes_after_the_server_dies(hub, env, repos, tmp_path):
@@ -434,3 +433,43 @@ def test_a_shard_missing_from_the_repo_is_one_line(hub, env, repos, tmp_path):
     )
     assert "Qwen/Broken" in line and f"{LAST_SHARD} not found" in line
     assert not (mlx / "mtp.safetensors").exists()
+
+
+def test_mtp_from_a_local_directory_reads_it_in_place(repos, tmp_path):
+    """``--mtp-from DIR`` is the same head as ``--hf-path DIR`` (no hub)."""
+    from mlx_spec.commands.convert import main
+
+    mlx = shutil.copytree(repos["mlx"], tmp_path / "mlx")
+    argv = ["--mtp-from", str(repos["raw"]), "--mlx-path", str(mlx)]
+    assert main([*argv, "--mtp-dtype", "float32", "--no-progress"]) == 0
+    _same_head(mlx, repos["raw"])
+
+
+def test_convert_hf_path_takes_a_repo_id(hub, env, repos, tmp_path):
+    """``--hf-path REPO`` downloads the whole release, converts the target
+    and writes the head: the model decodes with its head losslessly."""
+    out = tmp_path / "converted"
+    done = _cli(
+        "convert",
+        "--hf-path",
+        RELEASE,
+        "--mlx-path",
+        str(out),
+        "--mtp-dtype",
+        "float32",
+        "--no-progress",
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert hub.sent(RELEASE, shard_name(1, 2)) > 0  # the trunk came down too
+    assert _decode(str(out), env) == {"equal": True, "n": 24, "head": True}
+
+
+def test_the_server_names_a_downloaded_model_by_its_repo_id(tmp_path):
+    from mlx_spec.commands.common import model_name
+
+    snapshot = tmp_path / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    assert model_name("org/model", snapshot) == "org/model"
+    assert model_name(str(snapshot), snapshot) == "0123abcd"
+    assert model_name(None, snapshot) == "0123abcd"
