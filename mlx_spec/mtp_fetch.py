@@ -311,15 +311,36 @@ class _Sink:
 
 
 def _fetch_shard(repo, commit, shard, out: Path, progress: bool, log):
-    """``(MTP tensor names, bytes fetched, shard size, ranges refused)``."""
-    final, part = out / shard, out / (shard + ".part")
-    if final.exists():  # complete: only ever renamed into place when it is
-        from safetensors import safe_open
+    """``(MTP tensor names, bytes fetched, shard size, ranges refused)``;
+    one process at a time per shard (two runs would write one ``.part``)."""
+    from huggingface_hub.utils import WeakFileLock
 
+    with WeakFileLock(out / (shard + ".lock")):
+        done = _fetched(out / shard)
+        if done is not None:
+            return done
+        return _fetch_shard_ranges(repo, commit, shard, out, progress, log)
+
+
+def _fetched(final: Path):
+    """The result for a shard fetched before (its file only ever gets its
+    name when complete), or None; an unreadable one is fetched again."""
+    from safetensors import SafetensorError, safe_open
+
+    if not final.exists():
+        return None
+    try:
         with safe_open(str(final), framework="numpy") as f:
             names = list(f.keys())
-            size = int(f.metadata().get("mlx_spec.shard_size", 0))
-        return names, 0, size, False
+            size = int((f.metadata() or {}).get("mlx_spec.shard_size", 0))
+    except (OSError, SafetensorError, ValueError):
+        final.unlink()
+        return None
+    return names, 0, size, False
+
+
+def _fetch_shard_ranges(repo, commit, shard, out: Path, progress: bool, log):
+    final, part = out / shard, out / (shard + ".part")
     remote = _Remote(repo, commit, shard)
     prefix = remote.read(0, 8)
     if prefix is None:

@@ -473,3 +473,18 @@ def test_the_server_names_a_downloaded_model_by_its_repo_id(tmp_path):
     assert model_name("org/model", snapshot) == "org/model"
     assert model_name(str(snapshot), snapshot) == "0123abcd"
     assert model_name(None, snapshot) == "0123abcd"
+
+
+def test_a_damaged_cached_fetch_is_fetched_again(hub, env, repos, tmp_path):
+    mlx = shutil.copytree(repos["mlx"], tmp_path / "mlx")
+    assert _mtp_from(env, mlx).returncode == 0
+    sha = hub.repos[RELEASE].sha
+    cached = Path(env["HF_HOME"]) / "mlx_spec" / "mtp" / "models--Qwen--Tiny-Release"
+    cached = cached / sha / LAST_SHARD
+    cached.write_bytes(cached.read_bytes()[:100])
+    hub.reset_counts()
+    done = _mtp_from(env, mlx)
+    assert done.returncode == 0, done.stderr
+    header, mtp = _mtp_bytes(repos["raw"] / LAST_SHARD)
+    assert hub.sent(RELEASE, LAST_SHARD) == header + mtp
+    _same_head(mlx, repos["raw"])
