@@ -231,7 +231,7 @@ def test_a_cli_command_takes_a_repo_id_and_a_revision(hub, env):
 # ------------------------------------------------------------------- errors
 
 
-def test_an_unknown_repo_and_a_missing_revision_are_one_line(hub, env):
+def test_an_unknown_repo_and_a_missing_revision_are_one_line(hub, env, repos):
     line = _error_line(_cli("generate", "--model", "org/nope", *GENERATE, env=env))
     assert "'org/nope'" in line and "no repo" in line
     line = _error_line(
@@ -250,6 +250,18 @@ def test_an_unknown_repo_and_a_missing_revision_are_one_line(hub, env):
         )
     )
     assert "MTP path 'org/nope'" in line
+    offline = dict(env, HF_HUB_OFFLINE="1")
+    line = _error_line(
+        _cli(
+            "convert",
+            "--mtp-from",
+            RELEASE,
+            "--mlx-path",
+            str(repos["mlx"]),
+            env=offline,
+        )
+    )
+    assert "is not in the Hugging Face cache" in line and "HF_HUB_OFFLINE" in line
     assert not any((Path(env["HF_HOME"]) / "hub").glob("models--org--nope/snapshots/*"))
 
 
