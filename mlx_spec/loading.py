@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import mlx_lm_compat
+from .hub import resolve_model, resolve_mtp_path
 from .models.fast_layers import enable_fast_layers
 from .models.gdn import make_verifiable
 from .models.mtp import attach_mtp_head
@@ -63,6 +64,7 @@ def load(
     tokenizer_config: Optional[dict] = None,
     mtp_path: Optional[Union[str, Path]] = None,
     pipeline_group=None,
+    revision: Optional[str] = None,
     **kwargs: Any,
 ) -> Tuple[Any, Any]:
     """Load ``(model, tokenizer)`` like ``mlx_lm.load``, ready for speculation.
@@ -72,14 +74,15 @@ def load(
     ``mlx_spec convert``), else the directory's ``mtp.safetensors``, else the
     ``mtp.*`` tensors of a raw checkpoint; None when there are none.
 
+    ``path_or_hf_repo`` and ``mtp_path`` may be Hugging Face repo ids
+    (``revision``: the model's branch, tag or commit): see :mod:`mlx_spec.hub`.
+
     ``pipeline_group`` (an ``mx.distributed`` group of more than one process):
     this process keeps only its own layers (see :mod:`mlx_spec.models.pipeline`).
     """
-    path = Path(path_or_hf_repo)
-    if not path.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
-    if mtp_path is not None and not Path(mtp_path).exists():
-        raise FileNotFoundError(f"MTP path {str(mtp_path)!r} does not exist")
+    path = resolve_model(path_or_hf_repo, revision)
+    if mtp_path is not None:
+        mtp_path = resolve_mtp_path(mtp_path)
     split = pipeline_group is not None and pipeline_group.size() > 1
     lazy = kwargs.pop("lazy", False)
     model, tokenizer = mlx_lm_compat.load(

@@ -57,6 +57,8 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import greedy_sampler as _greedy
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS as DOWNLOAD_PATTERNS
+from mlx_lm.utils import _download as download_model
 from mlx_lm.utils import dequantize_model
 
 
@@ -145,6 +147,8 @@ __all__ = [
     "convert",
     "create_attention_mask",
     "dequantize_model",
+    "download_model",
+    "DOWNLOAD_PATTERNS",
     "gated_delta_step_ops",
     "gated_delta_update",
     "keeps_random_state",

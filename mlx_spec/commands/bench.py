@@ -48,7 +48,9 @@ from ..generate import stream_generate
 from ..mlx_lm_compat import plain_stream_generate
 from .bench_report import format_table, lossless_report, plot
 from .common import (
+    MODEL_HELP,
     CommandError,
+    add_revision_flag,
     bad_input,
     check_output_file,
     command,
@@ -324,7 +326,8 @@ def setup_parser():
     p = argparse.ArgumentParser(
         prog="mlx_spec bench", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--model", help="Model directory (default: the bundled demo model).")
+    p.add_argument("--model", help=MODEL_HELP)
+    add_revision_flag(p)
     p.add_argument(
         "--draft",
         nargs="+",
@@ -363,7 +366,7 @@ def main(argv=None):
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:  # before the run, not after it
             check_output_file(path, flag)
-    model_path, model, tok = load_model(args.model)
+    model_path, model, tok = load_model(args.model, revision=args.revision)
     with bad_input():
         workloads = load_workloads(args.workloads_file, args.workload, tok)
     if args.max_tokens:

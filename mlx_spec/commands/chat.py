@@ -289,6 +289,7 @@ def main(argv=None):
     model_path, model, tokenizer = load_model(
         args.model,
         mtp_path=args.mtp_path,
+        revision=args.revision,
         tokenizer_config={"trust_remote_code": args.trust_remote_code},
         adapter_path=args.adapter_path,
         pipeline_group=group,

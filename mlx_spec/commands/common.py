@@ -21,6 +21,7 @@ from ..core.state import ROLLBACK_STRATEGIES
 from ..demo import default_model_path
 from ..drafters import DRAFTS
 from ..drafters.base import MAX_DRAFT_TOKENS
+from ..hub import HubError, is_repo_id, resolve_model, resolve_mtp_path
 from ..loading import load
 from ..mlx_lm_compat import PENALTIES, make_logits_processors
 from ..models.mtp import SIDECAR_NAME
@@ -49,9 +50,11 @@ def add_draft_options(parser: argparse.ArgumentParser):
     )
     parser.add_argument(
         "--mtp-path",
-        help="MTP head sidecar (mtp.safetensors written by 'mlx_spec convert') "
-        "for a model directory without one.",
+        help="MTP head for a model without one: a sidecar file (mtp.safetensors "
+        "written by 'mlx_spec convert'), a directory holding one, or a Hugging "
+        "Face repo id (only its MTP files are downloaded).",
     )
+    add_revision_flag(parser)
     parser.add_argument(
         "--max-ngram",
         type=int,
@@ -74,6 +77,23 @@ def add_draft_options(parser: argparse.ArgumentParser):
         "(default): chosen each pass from the measured verify cost and the "
         "acceptance so far, 0 while speculation does not pay."
     )
+
+
+def add_revision_flag(parser: argparse.ArgumentParser):
+    """``--revision``: the branch, tag or commit of a ``--model`` repo id."""
+    if not any(a.dest == "revision" for a in parser._actions):
+        parser.add_argument(
+            "--revision",
+            default=None,
+            help="Branch, tag or commit of a --model given as a Hugging Face "
+            "repo id (default: main).",
+        )
+
+
+MODEL_HELP = (
+    "Model directory or Hugging Face repo id (downloaded as mlx_lm does, into "
+    "the Hugging Face cache; default: the bundled demo model)."
+)
 
 
 def add_pipeline_flag(parser: argparse.ArgumentParser, rank0_does: str):
@@ -108,7 +128,7 @@ def add_speculation_flags(parser: argparse.ArgumentParser, prog: str, about: str
     add_draft_options(parser)
     model = next(a for a in parser._actions if a.dest == "model")
     model.default = None
-    model.help = "Model directory (default: the bundled demo model)."
+    model.help = MODEL_HELP
     return parser
 
 
@@ -172,17 +192,72 @@ def check_safetensors(file: Path):
         ) from None
 
 
+# What a model directory needs for mlx-lm's tokenizer loading (one of these).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "*.tiktoken",
+    "tiktoken.model",
+)
+# Config fields that size the model: a non-integer fails deep inside mlx-lm.
+SIZE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "max_position_embeddings",
+    "full_attention_interval",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+
+
+def check_config_sizes(config: dict, file: Path):
+    """Raise :class:`CommandError` naming ``file`` and the key for a size
+    field (top level or ``text_config``) that is not a non-negative integer."""
+    sections = [("", config)]
+    if isinstance(config.get("text_config"), dict):
+        sections.append(("text_config.", config["text_config"]))
+    for where, section in sections:
+        for key in SIZE_FIELDS:
+            value = section.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CommandError(
+                    f"{file}: {where}{key}={value!r} is not a non-negative integer"
+                )
+
+
 def check_model_files(path: Path, mtp_path=None):
     """Check what loading reads first: ``config.json`` and every weight file's
     header, so a broken one is named rather than failing deep inside loading."""
     config = path / "config.json"
     try:
-        if not isinstance(json.loads(config.read_text()), dict):
+        values = json.loads(config.read_text())
+        if not isinstance(values, dict):
             raise ValueError("not a JSON object")
     except FileNotFoundError:
         raise CommandError(f"{path} has no config.json") from None
     except (OSError, ValueError) as e:
         raise CommandError(f"{config} is not a valid config: {one_line(e)}") from None
+    check_config_sizes(values, config)
+    if not any(any(path.glob(p)) for p in TOKENIZER_FILES):
+        raise CommandError(
+            f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
+        )
     # MTP sidecars are checked when the head is attached: a broken one only
     # disables MTP drafting.
     files = sorted(
@@ -198,20 +273,36 @@ def check_model_files(path: Path, mtp_path=None):
             check_safetensors(file)
 
 
-def load_model(path=None, mtp_path=None, **kwargs):
-    """``(path, model, tokenizer)``: ``path`` (default: the bundled demo model)
-    loaded by :func:`mlx_spec.load`; any failure is a :class:`CommandError`."""
+def load_model(path=None, mtp_path=None, revision=None, **kwargs):
+    """``(path, model, tokenizer)``: ``path`` (a directory or a Hugging Face
+    repo id at ``revision``; default: the bundled demo model) loaded by
+    :func:`mlx_spec.load`; any failure is a :class:`CommandError`."""
+    name = str(path) if path else None  # as given: Path() drops a leading ./
     with bad_input(FileNotFoundError):
         path = Path(path) if path else default_model_path()
+    if name and not path.exists() and is_repo_id(name):
+        with bad_input(HubError):
+            path = resolve_model(name, revision)
     if not path.is_dir():
         state = "is not a directory" if path.exists() else "does not exist"
         raise CommandError(f"model directory {str(path)!r} {state}")
+    if mtp_path is not None:
+        with bad_input(HubError, FileNotFoundError):
+            mtp_path = resolve_mtp_path(mtp_path)
     check_model_files(path, mtp_path)
     try:
         model, tokenizer = load(path, mtp_path=mtp_path, **kwargs)
     except Exception as e:  # whatever the files hold, one line naming them
         raise CommandError(f"cannot load the model in {path}: {one_line(e)}") from None
     return path, model, tokenizer
+
+
+def model_name(name, path: Path) -> str:
+    """What to call the model loaded from ``path`` for ``--model name``: the
+    repo id when it was downloaded, else the directory's name."""
+    if name and not Path(name).exists() and is_repo_id(str(name)):
+        return str(name)
+    return path.name
 
 
 def check_sampling_flags(args):

@@ -8,21 +8,28 @@ the MLX model, with metadata saying they are sanitised and which model they
 belong to. ``mlx_spec.load(MLX_DIR)`` then attaches the head.
 
 ``--hf-path`` may also be an MLX directory that already has a sidecar: its
-weights are copied (re-cast / re-quantised) without a second shift.
+weights are copied (re-cast / re-quantised) without a second shift. It may
+be a Hugging Face repo id (the whole checkpoint is downloaded).
+
+``--mtp-from REPO_OR_DIR`` instead reads only the MTP tensors: from a repo,
+HTTP range reads of the shards that hold them (:mod:`mlx_spec.mtp_fetch`);
+``--mlx-path`` must then be an existing MLX model directory.
 """
 
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from .. import mlx_lm_compat
+from ..hub import is_repo_id, resolve_model
 from ..models.fingerprint import signature_to_text, weight_signature
 from ..models.mtp.attach import build_head, load_mtp_weights
+from ..mtp_fetch import fetch_mtp_checkpoint
 from ..models.mtp.weights import (
     PREFIX,
     SIDECAR_NAME,
@@ -38,6 +45,7 @@ from .common import BAD_INPUT, CommandError, check_model_files, one_line
 
 MTP_DTYPES = ("bfloat16", "float16", "float32")
 MTP_BITS = (4, 8)
+TARGET_DTYPES = ("float16", "bfloat16", "float32")  # mlx_lm.convert's choices
 
 _FOUR_BIT_HELP = (
     "allow --mtp-bits 4. Refused by default: the head is one small layer whose "
@@ -62,10 +70,16 @@ def convert(
     q_group_size: Optional[int] = None,
     dtype: Optional[str] = None,
     progress: bool = True,
+    revision: Optional[str] = None,
+    mtp_only: bool = False,
+    log: Callable[[str], None] = print,
 ) -> Path:
     """Write ``mlx_path/mtp.safetensors`` from ``hf_path``; returns its path.
 
-    When ``mlx_path`` has no model yet, the target is converted first with
+    ``hf_path``: a directory or a Hugging Face repo id (at ``revision``).
+    ``mtp_only`` (``--mtp-from``): of a repo only the MTP tensors are
+    fetched, and ``mlx_path`` must already hold the model. Otherwise, when
+    ``mlx_path`` has no model yet, the target is converted first with
     ``mlx_lm.convert`` (``quantize``, ``q_bits``, ``q_group_size``, ``dtype``
     are passed to it).
     """
@@ -78,9 +92,16 @@ def convert(
             "refusing to quantise the MTP head to 4 bits (it destroys draft "
             "acceptance); use --mtp-bits 8, or --force-4bit to do it anyway"
         )
-    hf, out = Path(hf_path), Path(mlx_path)
-    if not hf.is_dir():
-        raise FileNotFoundError(f"--hf-path {str(hf)!r} is not a directory")
+    if dtype is not None and dtype not in TARGET_DTYPES:
+        raise ValueError(f"dtype must be one of {TARGET_DTYPES}, got {dtype!r}")
+    flag = "--mtp-from" if mtp_only else "--hf-path"
+    out = Path(mlx_path)
+    if mtp_only and not (out / "config.json").exists():
+        raise FileNotFoundError(
+            f"--mlx-path {str(out)!r} has no config.json: --mtp-from writes only "
+            "the MTP sidecar into an existing MLX model directory"
+        )
+    hf, source_name = _source_dir(hf_path, revision, mtp_only, progress, log, flag)
     config = load_config(hf)
     model_type = config.get("model_type")
     args = args_from_config(config)
@@ -141,9 +162,41 @@ def convert(
         "mlx_spec.dtype": mtp_dtype,
         "mlx_spec.bits": str(mtp_bits or 0),
         "mlx_spec.group_size": str(mtp_group_size),
-        "mlx_spec.source": hf.name,
+        "mlx_spec.source": source_name,
     }
     return write_sidecar(out / SIDECAR_NAME, tensors, metadata)
+
+
+def _source_dir(name, revision, mtp_only: bool, progress: bool, log, flag: str):
+    """``(directory, name to record)`` of the checkpoint ``name``: a local
+    directory, the repo's fetched MTP tensors (``mtp_only``) or its download."""
+    path = Path(name)
+    if path.is_dir():
+        return path, path.name
+    if path.exists() or not is_repo_id(str(name)):
+        state = "is not a directory" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"{flag} {str(name)!r} {state}")
+    if not mtp_only:
+        return resolve_model(str(name), revision, what=flag), str(name)
+    fetched = fetch_mtp_checkpoint(str(name), revision, progress=progress, log=log)
+    where = f"{name}@{fetched.commit[:12]}"
+    shards = f"{', '.join(fetched.shards)} ({_size(fetched.shard_bytes)} in all)"
+    if fetched.bytes_fetched == 0:
+        log(f"{where}: MTP tensors of {shards} already fetched ({fetched.directory})")
+    else:
+        how = "whole shard" if fetched.whole_shards else "range reads"
+        log(
+            f"{where}: fetched {_size(fetched.bytes_fetched)} ({how}) for the MTP "
+            f"tensors of {shards}"
+        )
+    return fetched.directory, str(name)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,10 +207,23 @@ def build_parser() -> argparse.ArgumentParser:
             "directory, from the raw Hugging Face checkpoint."
         ),
     )
-    p.add_argument(
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--hf-path",
-        required=True,
-        help="raw Hugging Face checkpoint directory (holding the mtp.* tensors)",
+        help="raw Hugging Face checkpoint (holding the mtp.* tensors): a "
+        "directory or a repo id (downloaded whole)",
+    )
+    source.add_argument(
+        "--mtp-from",
+        metavar="REPO_OR_DIR",
+        help="raw checkpoint to take only the MTP tensors from: a repo id "
+        "(HTTP range reads of just those bytes) or a directory; --mlx-path "
+        "must already hold the MLX model",
+    )
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="branch, tag or commit of a repo id (default: main)",
     )
     p.add_argument(
         "--mlx-path",
@@ -186,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-q", "--quantize", action="store_true", help="quantise the target")
     g.add_argument("--q-bits", type=int, default=None, help="target bits")
     g.add_argument("--q-group-size", type=int, default=None, help="target group size")
-    g.add_argument("--dtype", default=None, help="target dtype")
+    g.add_argument("--dtype", choices=TARGET_DTYPES, default=None, help="target dtype")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -199,11 +265,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "--mtp-bits 4 destroys the head's draft acceptance; use --mtp-bits 8 "
             "or add --force-4bit"
         )
+    source = a.hf_path or a.mtp_from
     try:
-        if Path(a.hf_path).is_dir():
+        if a.hf_path and Path(a.hf_path).is_dir():
             check_model_files(Path(a.hf_path))
         path = convert(
-            a.hf_path,
+            source,
             a.mlx_path,
             mtp_dtype=a.mtp_dtype,
             mtp_bits=a.mtp_bits,
@@ -214,6 +281,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             q_group_size=a.q_group_size,
             dtype=a.dtype,
             progress=not a.no_progress,
+            revision=a.revision,
+            mtp_only=a.mtp_from is not None,
         )
     except (CommandError, MTPWeightsError, OSError, ValueError) as e:
         print(f"mlx_spec convert: {one_line(e)}", file=sys.stderr)

@@ -101,6 +101,7 @@ def main(argv=None):
         _, model, tokenizer = load_model(
             args.model,
             mtp_path=args.mtp_path,
+            revision=args.revision,
             pipeline_group=group,
             tokenizer_config={"trust_remote_code": args.trust_remote_code},
             adapter_path=args.adapter_path,

@@ -29,7 +29,9 @@ from .common import (
     bad_input,
     command,
     join_pipeline,
+    MODEL_HELP,
     load_model,
+    model_name,
 )
 
 PROG = "mlx_spec server"
@@ -51,7 +53,7 @@ def _size(text: str) -> int:
 
 def setup_parser():
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="Model directory (default: the bundled demo model).")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -185,7 +187,10 @@ def main(argv=None):
     )
     group = join_pipeline(args)
     path, model, tokenizer = load_model(
-        args.model, mtp_path=args.mtp_path, pipeline_group=group
+        args.model,
+        mtp_path=args.mtp_path,
+        revision=args.revision,
+        pipeline_group=group,
     )
     draft = args.draft or default_draft(model)
     vocab_size = config_int(model, "vocab_size")
@@ -216,7 +221,7 @@ def main(argv=None):
         _exit_after_serving()
     ctx = ServerContext(
         tokenizer,
-        model_id=path.name,
+        model_id=model_name(args.model, path),
         defaults={
             "temperature": args.temp,
             "top_p": args.top_p,

@@ -209,6 +209,6 @@ def check_sidecar_model(
     if bad:
         raise MTPWeightsError(
             f"MTP sidecar {path} belongs to another model: {', '.join(bad)}; "
-            "write one for this model with `mlx_spec convert --hf-path <its raw "
-            "checkpoint> --mlx-path <this model dir>`"
+            "write one for this model with `mlx_spec convert --mtp-from <its raw "
+            "checkpoint or repo> --mlx-path <this model dir>`"
         )
