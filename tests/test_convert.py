@@ -17,7 +17,7 @@ from mlx_spec.core.decode import speculative_generate_step
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.models.mtp import MTP_NORMS
-from mlx_spec.models.mtp.weights import mtp_shards
+from mlx_spec.models.mtp.discovery import model_shards_with_mtp
 from mlx_spec.testing.checkpoints import FAMILIES
 from mlx_spec.testing.mtp_heads import sidecar_metadata
 
@@ -235,7 +235,7 @@ def test_sharded_checkpoint_reads_only_mtp_shards(converted_dirs, tmp_path):
         "weight_map": {n: f for f, ns in groups.items() for n in ns},
     }
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert mtp_shards(d) == [d / "model-00003-of-00003.safetensors"]
+    assert model_shards_with_mtp(d) == [d / "model-00003-of-00003.safetensors"]
     out = tmp_path / "out"
     shutil.copytree(mlx, out)
     assert (

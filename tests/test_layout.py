@@ -110,15 +110,6 @@ def test_only_the_compat_module_imports_mlx_lm():
     assert offenders == []
 
 
-def test_no_module_over_400_lines():
-    long = {
-        name: n
-        for name, (path, _) in MODULES.items()
-        if (n := len(path.read_text().splitlines())) > 400
-    }
-    assert long == {}
-
-
 def test_the_wheel_lists_every_package():
     """pyproject's explicit package list (needed to install metal_kernels/ as
     mlx_spec.kernels) names every folder of modules."""

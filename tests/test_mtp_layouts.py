@@ -161,9 +161,9 @@ def test_load_reports_the_layout_and_uses_it(targets, tmp_path, capsys):
     assert model.mtp_head is not None and model.mtp_info.files == (str(file),)
     argv = ["generate", "--model", str(d), "--max-tokens", "3", "--draft", "mtp"]
     assert main(argv + ["--prompt", "hello"]) == 0
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.startswith("MTP head:")]
-    assert len(lines) == 1 and str(file) in lines[0], err
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if x.startswith("MTP head:")]
+    assert len(lines) == 1 and str(file) in lines[0], out
     assert "experts fused" in lines[0] and "language_model.mtp.*" in lines[0]
 
 
@@ -431,9 +431,10 @@ def test_generate_runs_past_a_broken_sidecar(targets, tmp_path, capsys, draft):
     file.write_bytes(file.read_bytes()[:64])
     argv = ["generate", "--model", str(d), "--max-tokens", "3", "--draft", draft]
     assert main(argv + ["--prompt", "hello"]) == 0
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if "MTP" in x]
-    assert len(lines) == 1, err
+    captured = capsys.readouterr()
+    lines = [x for x in captured.out.splitlines() if x.startswith("MTP")]
+    lines += [x for x in captured.err.splitlines() if "MTP" in x]
+    assert len(lines) == 1, captured
     assert (
         lines[0].startswith("MTP head: none (MTP disabled: ") and str(file) in lines[0]
     )

@@ -140,7 +140,9 @@ def main(argv=None):
     report = mtp_report(model)  # which file and layout the head came from
     asks_mtp = args.draft is not None and args.draft.startswith("mtp")
     if report and args.verbose and not quiet and (model.mtp_head or not asks_mtp):
-        print(report, file=sys.stderr)  # (a missing head asked for: the error says)
+        # On standard output, before the text's first rule, like the rest of
+        # the verbose report (a missing head asked for: the error says).
+        print(report, flush=True)
     with bad_input(), _pipeline_errors(group):
         text = generate(
             model,

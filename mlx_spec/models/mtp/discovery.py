@@ -18,7 +18,7 @@ evidence decided the norms' ``+1`` (:mod:`.norm_shift`).
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
@@ -127,11 +127,14 @@ def _weight_map(index: Path) -> Dict[str, str]:
 
 
 def _inside(model_dir: Path, name: str, named_by: str) -> Path:
-    """``model_dir / name``, refusing names that leave the directory."""
-    path = (model_dir / name).resolve()
-    if not path.is_relative_to(model_dir.resolve()):
+    """``model_dir / name``, refusing names that leave the directory.
+
+    Judged on the name, not on where links point: a Hugging Face cache's
+    snapshot files are links into its blob store."""
+    relative = PurePosixPath(name.replace("\\", "/"))
+    if relative.is_absolute() or ".." in relative.parts or not relative.parts:
         raise MTPWeightsError(f"{named_by} names {name!r}, outside {model_dir}")
-    return path
+    return model_dir / relative
 
 
 def model_shards_with_mtp(model_dir: Path) -> List[Path]:

@@ -14,7 +14,7 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import mlx.core as mx
 
@@ -151,16 +151,6 @@ def model_metadata(model_type: str, args) -> Dict[str, str]:
         "mlx_spec.vocab_size": str(args.vocab_size),
         "mlx_spec.fingerprint": config_fingerprint(model_type, args),
     }
-
-
-# ------------------------------------------------------- checkpoint files
-
-
-def mtp_shards(model_dir: Path) -> List[Path]:
-    """The model's own shards that hold MTP tensors (under any prefix)."""
-    from .discovery import model_shards_with_mtp  # discovery imports this module
-
-    return model_shards_with_mtp(model_dir)
 
 
 # --------------------------------------------------------------- sidecar
