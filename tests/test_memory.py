@@ -18,14 +18,13 @@ import mlx_spec
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.demo import default_model_path
 from mlx_spec.testing.checkpoints import FAMILIES
-from mlx_spec.testing.memory import growth_per_token, memory_readings
+from mlx_spec.testing.memory import (
+    PER_TOKEN_LIMIT,
+    growth_per_token,
+    memory_readings,
+)
 from mlx_spec.testing.mtp_heads import cycle_order, write_cycle_checkpoint
 
-# Bytes per token a run may grow by beyond plain decoding's slope: half the
-# smallest leak worth catching (256 B/token, one float32 row of a 64-wide
-# hidden state). Measured slopes beyond plain decoding's: -30 to +10 B/token
-# on the tiny models. The defect this guards against grew by about 50 KB/token.
-PER_TOKEN_LIMIT = 128
 MARKS = tuple(range(400, 1201, 100))  # 800 tokens, after the first KV blocks
 CYCLE_PROMPT = cycle_order()[:40]
 
