@@ -120,16 +120,6 @@ def _batch_samples(model, prompt, sampler, drafter_name, processors=None):
     return np.array(runs)
 
 
-@pytest.mark.parametrize("drafter_name", ["ngram", "mtp", "mtp+ngram"])
-def test_sampled_rows_follow_plain_sampling(predictive_model, drafter_name):
-    sampler = Sampler(temp=1.0, top_k=TOP_K)
-    prompt = discriminating_prompt(predictive_model, sampler, "mtp")
-    pairs, third = exact_first_tokens(predictive_model, prompt, sampler)
-    runs = _batch_samples(predictive_model, prompt, sampler, drafter_name)
-    p_pairs, p_third = sample_pvalues(pairs, third, runs)
-    assert min(p_pairs, p_third) > 1e-3, (p_pairs, p_third)
-
-
 def test_sampled_rows_with_processors_follow_plain_sampling(predictive_model):
     """Drafts sampled from the head under the row's processors, verified
     against the target under them: plain sampling with those processors."""

@@ -87,3 +87,89 @@ def sample_pvalues(pairs: Dict, third: np.ndarray, runs: np.ndarray):
     p_pairs = chi2_pvalue(counts, list(pairs.values()))
     p_third = chi2_pvalue(np.bincount(runs[:, 2], minlength=third.size), third)
     return p_pairs, p_third
+
+
+def speculative_first_tokens(
+    model,
+    prompt,
+    sampler,
+    drafter_name: str,
+    n_runs: int,
+    k: int = 3,
+    seed: int = 0,
+    stats=None,
+) -> np.ndarray:
+    """The first three tokens [n_runs, 3] of ``n_runs`` sampled speculative
+    generations of ``prompt`` (one sequence, ``k`` drafts a pass); ``stats``
+    (a ``SpecStats``) sums their speculation counters."""
+    from ..core.decode import speculative_generate_step
+
+    mx.random.seed(seed)
+    runs = []
+    for _ in range(n_runs):
+        steps = speculative_generate_step(
+            mx.array(prompt),
+            model,
+            make_drafter(drafter_name, model),
+            num_draft_tokens=k,
+            max_tokens=3,
+            sampler=sampler,
+            stats=stats,
+        )
+        runs.append([t for t, _, _ in steps])
+    return np.array(runs)
+
+
+def verifying_with(monkeypatch, wrong_sampler):
+    """Negative controls: every pass with drafts (one sequence or a batch)
+    is verified against ``wrong_sampler``'s distribution instead of the
+    row's own; drafting and plain passes are unchanged."""
+    from ..core import batch, decode, verify
+
+    def verify_draft(draft, logprobs, sampler, draft_probs=None):
+        return verify.verify_draft(draft, logprobs, wrong_sampler, draft_probs)
+
+    monkeypatch.setattr(decode, "verify_draft", verify_draft)
+    monkeypatch.setattr(batch, "verify_draft", verify_draft)
+
+
+def rejects(pvalues) -> bool:
+    """Whether a sample was rejected: a p-value below 1e-4, or a token that
+    plain sampling never emits (``pvalues`` is a callable that raises then)."""
+    try:
+        return min(pvalues()) < 1e-4
+    except AssertionError as e:
+        if "probability 0" in str(e) or "outside the support" in str(e):
+            return True
+        raise
+
+
+def batch_first_tokens(model, rows, n_runs: int, k: int = 3, seed: int = 0):
+    """The first three tokens of each of ``rows`` ((prompt, sampler, drafter
+    name) each), sampled together in one batch, ``n_runs`` times: a list of
+    [n_runs, 3] arrays, and per row its (drafted, accepted) totals."""
+    from ..core.batch import BatchDecoder
+    from .reference import fed_decoder
+
+    mx.random.seed(seed)
+    runs = [[] for _ in rows]
+    counts = np.zeros((len(rows), 2), dtype=np.int64)
+    for _ in range(n_runs):
+        batch = BatchDecoder(model, n_slots=len(rows), max_draft=k)
+        ids, decoders = [], []
+        for prompt, sampler, drafter_name in rows:
+            d = fed_decoder(model, prompt, make_drafter(drafter_name, model), k)
+            ids.append(batch.add(d, 3, sampler, k, stop_tokens=()))
+            decoders.append(d)
+        tokens = {b: [] for b in ids}
+        for _ in range(10 * k):  # three tokens each: a few passes
+            if not batch.active:
+                break
+            for b, (emitted, _) in batch.step().items():
+                tokens[b] += emitted
+        else:
+            raise AssertionError("the batch did not finish")
+        for i, b in enumerate(ids):
+            runs[i].append(tokens[b])
+            counts[i] += decoders[i].stats.drafted, decoders[i].stats.accepted
+    return [np.array(r) for r in runs], [tuple(c) for c in counts]

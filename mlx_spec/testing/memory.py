@@ -1,13 +1,23 @@
-"""MLX active memory over a long generation, less what grows by design."""
+"""MLX active memory over a long generation, less what grows by design, and
+its growth per token."""
 
+import itertools
 from typing import List, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from ..drafters import make_drafter
 from ..generate import stream_generate
-from ..mlx_lm_compat import make_prompt_cache
+from ..mlx_lm_compat import ArraysCache, make_prompt_cache
 from .reference import cache_nbytes
+
+# Bytes per token a run may grow by beyond plain decoding's own slope: half
+# the smallest leak worth catching (256 B/token, one float32 row of a
+# 64-wide hidden state). Measured beyond plain decoding's slope: -30 to +10
+# B/token on the tiny models. The defect the memory tests were written for
+# grew by about 50 KB/token.
+PER_TOKEN_LIMIT = 128
 
 
 def _drafter_caches(drafter) -> list:
@@ -18,9 +28,17 @@ def _drafter_caches(drafter) -> list:
 def memory_readings(
     model, tokenizer, prompt, draft: str, marks: Sequence[int], **kwargs
 ) -> Tuple[List[int], object]:
-    """Generate ``marks[-1]`` tokens with EOS disabled and read MLX's active
-    memory when the count reaches each of ``marks``, less the bytes of the KV
-    caches (the target's and the MTP head's, which grow by design).
+    """Generate past ``marks[-1]`` tokens with EOS disabled and read MLX's
+    active memory when the count reaches each of ``marks``, less the bytes of
+    the KV caches (the target's and the MTP head's, which grow by design).
+    ``draft="none"`` is plain mlx-lm decoding.
+
+    The KV caches are evaluated before each reading: a head that defers its
+    rows holds their cache buffers as unevaluated graphs, which ``nbytes``
+    counts before they take any memory (about -290 B/token of drift on the
+    tiny models otherwise, enough to hide a leak). The generation runs one
+    token past the last mark, so that no reading sees its end (the decoder
+    frees its pass's buffers there).
 
     Returns the readings (bytes) and the run's ``SpecStats``.
     """
@@ -33,14 +51,28 @@ def memory_readings(
             model,
             tokenizer,
             prompt,
-            marks[-1],
-            draft=drafter,
+            marks[-1] + 1,
+            draft="none" if drafter is None else drafter,
             prompt_cache=cache,
             **kwargs,
         ):
             if r.generation_tokens in marks:
-                kv = cache_nbytes(list(cache) + _drafter_caches(drafter))
-                readings.append(mx.get_active_memory() - kv)
+                kv = list(cache) + _drafter_caches(drafter)
+                kv = [c for c in kv if not isinstance(c, ArraysCache)]
+                mx.eval([c.state for c in kv])
+                readings.append(mx.get_active_memory() - cache_nbytes(kv))
     finally:
         tokenizer.eos_token_ids = eos
     return readings, r.stats
+
+
+def growth_per_token(marks: Sequence[int], readings: Sequence[int]) -> float:
+    """Bytes per token that ``readings`` (taken at ``marks`` tokens) grow by:
+    the median of the slopes between every two readings (Theil-Sen), which a
+    steady leak moves by its rate while a one-off step (the allocator taking
+    a new block) moves few of them."""
+    if len(marks) != len(readings) or len(marks) < 3:
+        raise ValueError("need a reading at each of at least three marks")
+    pairs = itertools.combinations(range(len(marks)), 2)
+    slopes = [(readings[j] - readings[i]) / (marks[j] - marks[i]) for i, j in pairs]
+    return float(np.median(slopes))

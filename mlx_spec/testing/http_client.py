@@ -1,0 +1,40 @@
+"""Plain HTTP requests to a test server on 127.0.0.1 (no client library in
+between, so a test sees exactly the status, headers and body sent)."""
+
+import http.client
+import json
+from typing import Any, List, Tuple
+
+
+def post_json(port: int, path: str, body: Any, timeout: float = 120.0) -> Tuple:
+    """``(status, parsed JSON body)`` of a POST of ``body`` as JSON."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(
+            "POST", path, json.dumps(body), {"Content-Type": "application/json"}
+        )
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def post_stream(port: int, path: str, body: Any, timeout: float = 120.0) -> List:
+    """The JSON objects of the ``data:`` lines of a streamed POST (up to
+    ``[DONE]``), after checking the status is 200."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(
+            "POST", path, json.dumps(body), {"Content-Type": "application/json"}
+        )
+        r = conn.getresponse()
+        text = r.read().decode()
+        if r.status != 200:
+            raise AssertionError(f"status {r.status}: {text[:400]}")
+    finally:
+        conn.close()
+    events = []
+    for line in text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[len("data: ") :]))
+    return events
