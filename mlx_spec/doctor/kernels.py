@@ -293,10 +293,11 @@ def check_kernels(part: Part, model, quick: bool) -> Tuple[Part, Optional[bool]]
         return part, any(chosen)
     part.settle("")
     if part.status != FAIL:
-        used = sorted({REFERENCES[r["kernel"]].rsplit(".", 2)[1] for r in results})
+        prefix = "mlx_spec.kernels."
+        used = sorted({REFERENCES[r["kernel"]][len(prefix) :] for r in results})
         part.status = SKIP
         part.reason = (
-            f"skipped: no Metal; the MLX reference paths run (mlx_spec.kernels."
-            f"{{{','.join(used)}}}), each checked against an independent computation"
+            f"skipped: no Metal; the MLX reference paths run ({prefix}: "
+            f"{', '.join(used)}), each checked against an independent computation"
         )
     return part, None
