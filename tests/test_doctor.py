@@ -327,3 +327,50 @@ def test_blas_in_use_reads_the_mapped_libraries():
     found = blas_in_use([numpy_blas, mlx_blas, openblas], openblas)
     assert found == {"name": "OpenBLAS", "library": openblas, "advice": ""}
     assert blas_in_use([numpy_blas], "")["name"] == "unknown"  # numpy's is not MLX's
+
+
+def test_kernel_branch_judges_each_kernel(tmp_path, monkeypatch):
+    """The Metal half of the kernels part, run on a CPU with stand-in
+    kernels: one equal to its reference (passes, bitwise, timed), one off by
+    5% (fails: the negative control), one that raises (fails alone), and one
+    that does not apply to the shapes (skipped)."""
+    from mlx_spec.doctor import kernels as part_module
+    from mlx_spec.doctor.model import load_for_doctor
+    from mlx_spec.doctor.result import Part
+    from mlx_spec.kernels import gated_delta as gdn
+    from mlx_spec.kernels import moe
+
+    def equal(q, k, v, scale):
+        mask = "causal" if q.shape[2] > 1 else None
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    def raises(*args, **kwargs):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(part_module, "metal_available", lambda: True)
+    monkeypatch.setattr(attn, "attention_kernel", equal)
+    monkeypatch.setattr(gdn, "gated_delta_steps_kernel", raises)
+    monkeypatch.setattr(moe, "kernel_plan", lambda *a: None)
+    # head_dim 64: a size the attention kernel takes
+    path = write_tiny_checkpoint(tmp_path / "d64", "qwen3_next", head_dim=64)
+    _, model, _ = load_for_doctor(str(path))
+    part, helps = part_module.check_kernels(Part("kernels"), model, quick=True)
+    by_name = {c["kernel"]: c for c in part.facts["cases"]}
+    assert by_name["attention"]["bitwise"] and by_name["mtp_attention"]["bitwise"]
+    assert by_name["attention"]["auto_choice"] in ("kernel", "reference")
+    assert by_name["moe"]["kernel_applies"] is False
+    verdicts = {
+        c.name.split(" ")[0] + " " + c.name.split(" ")[1]: c.status for c in part.checks
+    }
+    assert verdicts["attention kernel"] == "pass"
+    assert verdicts["moe kernel"] == "skip"
+    assert "no such kernel" in part.reason and part.status == "fail"
+
+    def off(q, k, v, scale):
+        return 1.05 * equal(q, k, v, scale)
+
+    monkeypatch.setattr(attn, "attention_kernel", off)
+    monkeypatch.setattr(gdn, "gated_delta_steps_kernel", raises)
+    part, _ = part_module.check_kernels(Part("kernels"), model, quick=True)
+    failed = {c.name.split(" ")[0] for c in part.checks if c.status == "fail"}
+    assert {"attention", "mtp_attention", "gdn"} <= failed

@@ -243,7 +243,7 @@ def _check_kernel(part: Part, case: Case) -> Dict:
     name = f"{case.name} kernel {case.label}"
     if case.kernel is None:
         part.check(name, SKIP, "the kernel does not apply to these shapes")
-        return {"kernel": "not applicable"}
+        return {"kernel_applies": False}
     reference, kernel = case.reference(), case.kernel()
     error = relative_error(_first(kernel), reference)
     bitwise = bool(mx.array_equal(_first(kernel), reference).item())
@@ -260,6 +260,7 @@ def _check_kernel(part: Part, case: Case) -> Dict:
         f"{ker_s * 1e3:.3f} ms against {ref_s * 1e3:.3f} ms: auto uses the {auto}",
     )
     return {
+        "kernel_applies": True,
         "kernel_error": error,
         "bitwise": bitwise,
         "kernel_ms": ker_s * 1e3,

@@ -3,7 +3,8 @@
 ``--quick`` uses two short ones (``data/doctor_prompts.jsonl``: a prompt
 that continues a pattern it holds, and the start of a function), whose
 prefill is short enough for the whole check to stay within a minute on a
-small model; otherwise the copy and free workloads of ``mlx_spec bench``.
+small model; otherwise the first copy and the first free workload of
+``mlx_spec bench`` (longer prompts, 128 new tokens).
 """
 
 from importlib import resources
@@ -20,4 +21,5 @@ def doctor_prompts(quick: bool) -> List[dict]:
     if quick:
         path = Path(str(resources.files("mlx_spec").joinpath(QUICK_FILE)))
         return load_workloads(path)
-    return load_workloads(kinds=("copy", "free"))
+    rows = load_workloads(kinds=("copy", "free"))
+    return [next(w for w in rows if w["kind"] == kind) for kind in ("copy", "free")]
