@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mlx_spec.commands import doctor as doctor_command
+from mlx_spec.commands.cli import main as cli_main
 from mlx_spec.doctor import PARTS, SCHEMA, SCHEMA_VERSION, run_doctor
 from mlx_spec.doctor import lossless as lossless_part
 from mlx_spec.doctor import runner
@@ -187,7 +188,8 @@ def test_quick_on_tiny_checkpoints(checkpoint_dirs, family):
 def test_missing_model_is_one_line_and_the_rest_still_runs(tmp_path, capsys):
     out = tmp_path / "doctor.json"
     missing = tmp_path / "no-such-model"
-    assert doctor_command.main(["--model", str(missing), "--json", str(out)]) == 1
+    # through the command line's entry point: the command is registered
+    assert cli_main(["doctor", "--model", str(missing), "--json", str(out)]) == 1
     report = json.loads(out.read_text())
     model = report["parts"]["model"]
     assert model["status"] == "fail" and str(missing) in model["reason"]
@@ -203,6 +205,23 @@ def test_missing_model_is_one_line_and_the_rest_still_runs(tmp_path, capsys):
     assert f"[FAIL] model: load: model directory '{missing}' does not exist" in (
         capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize("damage", ["broken_config", "truncated_weights"])
+def test_broken_model_files_are_named_in_one_line(checkpoint_dirs, tmp_path, damage):
+    path = shutil.copytree(checkpoint_dirs["qwen3_next"], tmp_path / damage)
+    if damage == "broken_config":
+        named = path / "config.json"
+        named.write_text('{"model_type": ')
+    else:
+        named = path / "model.safetensors"
+        named.write_bytes(named.read_bytes()[:1000])
+    report = run_doctor(str(path), quick=True)
+    model = report["parts"]["model"]
+    assert model["status"] == "fail" and str(named) in model["reason"]
+    assert "\n" not in model["reason"]
+    assert report["parts"]["platform"]["status"] == "pass"
+    assert report["parts"]["speed"]["status"] == "skip"
 
 
 def test_unwritable_json_path_is_reported_and_the_parts_still_run(

@@ -298,7 +298,7 @@ def check_kernels(part: Part, model, quick: bool) -> Tuple[Part, Optional[bool]]
         used = sorted({REFERENCES[r["kernel"]][len(prefix) :] for r in results})
         part.status = SKIP
         part.reason = (
-            f"skipped: no Metal; the MLX reference paths run ({prefix}: "
+            f"skipped: no Metal; the MLX reference paths run ({prefix[:-1]}: "
             f"{', '.join(used)}), each checked against an independent computation"
         )
     return part, None
