@@ -393,3 +393,15 @@ def test_kernel_branch_judges_each_kernel(tmp_path, monkeypatch):
     part, _ = part_module.check_kernels(Part("kernels"), model, quick=True)
     failed = {c.name.split(" ")[0] for c in part.checks if c.status == "fail"}
     assert {"attention", "mtp_attention", "gdn"} <= failed
+
+
+def test_attention_only_model_skips_the_kernels(tmp_path):
+    """A llama: no GDN layer, no MTP head, nothing the kernels serve."""
+    from mlx_spec.testing.attention_only import write_llama_checkpoint
+
+    report = run_doctor(str(write_llama_checkpoint(tmp_path / "llama")), quick=True)
+    got = statuses(report)
+    assert got["model"] == got["lossless"] == got["speed"] == "pass", got
+    assert got["kernels"] == "skip"
+    assert "no layer of this model (llama)" in report["parts"]["kernels"]["reason"]
+    assert report["parts"]["lossless"]["facts"]["drafters"] == ["ngram"]
