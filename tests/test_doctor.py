@@ -405,3 +405,16 @@ def test_attention_only_model_skips_the_kernels(tmp_path):
     assert got["kernels"] == "skip"
     assert "no layer of this model (llama)" in report["parts"]["kernels"]["reason"]
     assert report["parts"]["lossless"]["facts"]["drafters"] == ["ngram"]
+
+
+def test_truncated_sidecar_is_reported_failing(converted_dirs, tmp_path):
+    """A sidecar cut short: the head is refused at load, and the report
+    says so (the model itself still drafts by n-gram)."""
+    _, mlx_dir = converted_dirs["qwen3_next"]
+    path = shutil.copytree(mlx_dir, tmp_path / "cut")
+    sidecar = path / "mtp.safetensors"
+    sidecar.write_bytes(sidecar.read_bytes()[:2000])
+    report = run_doctor(str(path), quick=True)
+    model = report["parts"]["model"]
+    assert model["status"] == "fail" and str(sidecar) in model["reason"]
+    assert report["parts"]["lossless"]["facts"]["drafters"] == ["ngram"]

@@ -22,7 +22,11 @@ from mlx.utils import tree_flatten
 
 from ..commands.common import CommandError, load_model
 from ..core.target import _lm_head
-from ..models.fingerprint import signature_from_text, weight_signature
+from ..models.fingerprint import (
+    SAME_WEIGHTS_COSINE,
+    signature_from_text,
+    weight_signature,
+)
 from ..models.mtp import mtp_report
 from ..models.mtp.head import text_args, text_model
 from ..models.mtp.weights import SIGNATURE_KEY
@@ -145,7 +149,7 @@ def check_head(part: Part, model, tokenizer) -> None:
     if info is not None and info.signed:
         cosines = signature_cosines(info.files[0], model)
         part.facts["mtp_head"]["signature_cosines"] = cosines
-        same = cosines is not None and min(cosines) >= 0.9
+        same = cosines is not None and min(cosines) >= SAME_WEIGHTS_COSINE
         part.check(
             "weight signature",
             PASS if same else FAIL,
