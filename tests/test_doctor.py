@@ -99,6 +99,22 @@ RECOMMENDED = {
 }
 
 
+REAL_QUICK = {"test_quick_on_the_demo_model"}
+
+
+@pytest.fixture(autouse=True)
+def short_prompts(request, monkeypatch):
+    """The quick prompts cut to 8 new tokens, except in :data:`REAL_QUICK`
+    (``--quick`` exactly as users run it): the other tests need every part
+    to run on their model, not to measure well."""
+    if request.node.originalname in REAL_QUICK:
+        return
+    quick = runner.doctor_prompts(True)
+    monkeypatch.setattr(
+        runner, "doctor_prompts", lambda _quick: [dict(w, max_tokens=8) for w in quick]
+    )
+
+
 def has_types(d: dict, spec: dict, where: str):
     for key, typ in spec.items():
         assert key in d, f"{where}: no {key}"
