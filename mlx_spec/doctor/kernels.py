@@ -32,7 +32,7 @@ from ..mlx_lm_compat import (
     normalize_qk,
 )
 from ..models.mtp.head import text_args, text_model
-from .result import FAIL, PASS, SKIP, Part
+from .result import FAIL, PASS, SKIP, Part, one_line
 
 # The reference each kernel's dispatcher falls back to, as named in the report.
 REFERENCES = {
@@ -306,7 +306,7 @@ def check_kernels(part: Part, model, quick: bool) -> Tuple[Part, Optional[bool]]
             if metal:
                 row.update(_check_kernel(part, case))
         except Exception as e:  # one case's failure is that case's verdict
-            part.check(f"{case.name} {case.label}", FAIL, f"{type(e).__name__}: {e}")
+            part.check(f"{case.name} {case.label}", FAIL, one_line(e))
         results.append(row)
     part.facts["cases"] = results
     if metal:
