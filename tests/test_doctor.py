@@ -434,3 +434,23 @@ def test_truncated_sidecar_is_reported_failing(converted_dirs, tmp_path):
     model = report["parts"]["model"]
     assert model["status"] == "fail" and str(sidecar) in model["reason"]
     assert report["parts"]["lossless"]["facts"]["drafters"] == ["ngram"]
+
+
+def test_a_failing_head_check_leaves_the_model_to_the_other_parts(
+    checkpoint_dirs, monkeypatch
+):
+    from mlx_spec.doctor import model as model_part
+
+    def broken(*args):
+        raise ValueError("cannot\nrun")
+
+    monkeypatch.setattr(model_part, "head_agreement", broken)
+    report = run_doctor(str(checkpoint_dirs["qwen3_5"]), quick=True)
+    model = report["parts"]["model"]
+    assert model["status"] == "fail"
+    assert (
+        model["reason"]
+        == "head checks: the check itself failed: ValueError: cannot run"
+    )
+    assert report["parts"]["lossless"]["status"] == "pass"
+    assert report["parts"]["lossless"]["facts"]["drafters"][-1] == "mtp+ngram"

@@ -30,7 +30,7 @@ from ..models.fingerprint import (
 from ..models.mtp import mtp_report
 from ..models.mtp.head import text_args, text_model
 from ..models.mtp.weights import SIGNATURE_KEY
-from .result import FAIL, PASS, SKIP, Part
+from .result import FAIL, PASS, SKIP, Part, one_line
 
 # The text the head is run over, teacher-forced (Python: what the demo
 # model was trained on; any text does for the finiteness check).
@@ -193,10 +193,20 @@ def check_model(part: Part, name: Optional[str], revision=None):
         part.settle("")
         return None
     part.check("load", PASS, f"loaded {path}")
-    describe_model(part, path, model)
-    check_head(part, model, tokenizer)
+    # A model that loaded is returned whatever its description gives, so
+    # that the parts after this one still run on it.
+    for step, body in (
+        ("describe", lambda: describe_model(part, path, model)),
+        ("head checks", lambda: check_head(part, model, tokenizer)),
+    ):
+        try:
+            body()
+        except Exception as e:
+            part.check(step, FAIL, f"the check itself failed: {one_line(e)}")
     part.settle(
-        f"{part.facts['model_type']}, {sum(part.facts['layers'].values())} layers, "
-        f"{part.facts['quantization']}, {part.facts['model_memory_gb']:.3g} GB"
+        f"{part.facts.get('model_type', '?')}, "
+        f"{sum(part.facts.get('layers', {}).values())} layers, "
+        f"{part.facts.get('quantization', '?')}, "
+        f"{part.facts.get('model_memory_gb', 0):.3g} GB"
     )
     return path, model, tokenizer
