@@ -16,7 +16,10 @@ from .common import MODEL_HELP, CommandError, add_revision_flag, check_output_fi
 
 def setup_parser():
     p = argparse.ArgumentParser(
-        prog="mlx_spec doctor", description=__doc__.splitlines()[0]
+        prog="mlx_spec doctor",
+        description="Does speculative decoding work, and pay, on this machine? "
+        "Checks the platform, the model and its MTP head, the kernels, greedy "
+        "losslessness and speed (docs/doctor.md).",
     )
     p.add_argument("--model", help=MODEL_HELP)
     add_revision_flag(p)
@@ -26,8 +29,8 @@ def setup_parser():
     p.add_argument(
         "--quick",
         action="store_true",
-        help="Short prompts, one run per setting (about a minute or less on a "
-        "small model).",
+        help="Short prompts and kernel shapes, two timed runs per setting "
+        "(under a minute on a small model).",
     )
     return p
 
