@@ -87,6 +87,7 @@ SPEED_ROW = {
     "tps": float,
     "speedup": float,
     "acceptance_per_position": list,
+    "drafted_per_position": list,
     "tokens_per_pass": float,
     "first_differing_token": type(None),
 }
@@ -454,3 +455,17 @@ def test_a_failing_head_check_leaves_the_model_to_the_other_parts(
     )
     assert report["parts"]["lossless"]["status"] == "pass"
     assert report["parts"]["lossless"]["facts"]["drafters"][-1] == "mtp+ngram"
+
+
+def test_acceptance_is_pooled_over_the_runs():
+    from mlx_spec.core.stats import SpecStats
+    from mlx_spec.doctor.speed import pooled_acceptance
+
+    one, two = SpecStats(), SpecStats()
+    one.record(2, 2, 3)  # both drafts accepted
+    two.record(3, 1, 2)  # the first of three accepted
+    two.record(0, 0, 1)
+    acceptance, drafted, per_pass = pooled_acceptance([{"stats": one}, {"stats": two}])
+    assert drafted == [2, 2, 1]
+    assert acceptance == [1.0, 0.5, 0.0]
+    assert per_pass == 6 / 3

@@ -4,14 +4,14 @@
   ``--num-draft-tokens auto`` decides from (measured once, then cached);
 - tokens/s of plain mlx-lm decoding and of each drafter at ``auto``, on a
   copy and a free-text prompt (``bench``'s runs, alternated, medians), with
-  the acceptance at each draft position;
+  the acceptance at each draft position pooled over the runs;
 - the settings it recommends: the drafter with the best mean speedup (plain
   decoding when none reaches :data:`PAYS`), ``auto`` draft lengths, and
   whether the kernels help (from the kernels part).
 """
 
 import statistics
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..commands.bench import _run_plain, _run_spec, first_difference, interleaved
 from ..core.verify_profile import verify_cost_profile
@@ -28,10 +28,32 @@ def repeats(quick: bool) -> int:
 PAYS = 1.05
 
 
+def pooled_acceptance(runs: List[dict]) -> Tuple[List[float], List[int], float]:
+    """Acceptance per draft position over all ``runs`` (each run's
+    ``stats``), the drafts made at each position, and tokens per pass."""
+    drafted: List[int] = []
+    accepted: List[int] = []
+    for r in runs:
+        st = r["stats"]
+        grow = len(st.drafted_at) - len(drafted)
+        drafted += [0] * max(grow, 0)
+        accepted += [0] * max(grow, 0)
+        for i, (d, a) in enumerate(zip(st.drafted_at, st.accepted_at)):
+            drafted[i] += d
+            accepted[i] += a
+    passes = sum(r["stats"].verify_passes for r in runs)
+    generated = sum(r["stats"].generated for r in runs)
+    return (
+        [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+        drafted,
+        generated / passes if passes else 0.0,
+    )
+
+
 def _row(w, draft, plain, spec) -> dict:
     plain_tps = statistics.median(r["tps"] for r in plain)
     tps = statistics.median(r["tps"] for r in spec)
-    stats = spec[-1]["stats"]
+    acceptance, drafted, per_pass = pooled_acceptance(spec)
     return {
         "prompt": w["name"],
         "kind": w["kind"],
@@ -39,8 +61,9 @@ def _row(w, draft, plain, spec) -> dict:
         "plain_tps": plain_tps,
         "tps": tps,
         "speedup": tps / plain_tps if plain_tps else 0.0,
-        "acceptance_per_position": list(stats.acceptance_per_position),
-        "tokens_per_pass": stats.tokens_per_pass,
+        "acceptance_per_position": acceptance,
+        "drafted_per_position": drafted,
+        "tokens_per_pass": per_pass,
         "first_differing_token": first_difference(plain, spec),
     }
 
