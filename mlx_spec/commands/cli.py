@@ -11,6 +11,7 @@ COMMANDS = {
     "bench": "mlx_spec.commands.bench",
     "bench-kernels": "mlx_spec.commands.bench_kernels",
     "server": "mlx_spec.commands.server",
+    "doctor": "mlx_spec.commands.doctor",
 }
 
 

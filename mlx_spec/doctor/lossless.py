@@ -1,0 +1,91 @@
+"""The doctor's losslessness part: greedy speculative output against plain
+greedy decoding on this machine, for every drafter the model has.
+
+The check ``mlx_spec bench`` makes on each run (:func:`first_difference`),
+here with fixed draft lengths, so that drafts are really verified (``auto``
+may draft nothing where a verify pass does not pay). A difference is not a
+slow setting but a wrong one: the machine's matmuls round a verify pass over
+several tokens differently from one-token steps (README, Losslessness).
+"""
+
+from typing import Callable, List, Optional
+
+from ..commands.bench import _run_plain, _run_spec, first_difference
+from .result import FAIL, PASS, Part
+
+QUICK_DRAFT_LENGTHS = (4,)
+FULL_DRAFT_LENGTHS = (2, 5)
+
+MEANING = (
+    "this machine's matmuls round a verify pass over several tokens differently "
+    "from one-token steps (e.g. a BLAS whose result for a row depends on the "
+    "number of rows; see README, Losslessness): speculative output is not "
+    "guaranteed to be plain decoding's here"
+)
+
+
+def available_drafters(model) -> List[str]:
+    """``ngram`` always; ``mtp`` and ``mtp+ngram`` with an MTP head."""
+    if getattr(model, "__dict__", {}).get("mtp_head") is not None:
+        return ["ngram", "mtp", "mtp+ngram"]
+    return ["ngram"]
+
+
+def check_lossless(
+    part: Part,
+    model,
+    tokenizer,
+    prompts: List[dict],
+    quick: bool,
+    progress: Optional[Callable[[], None]] = None,
+) -> Part:
+    drafters = available_drafters(model)
+    lengths = QUICK_DRAFT_LENGTHS if quick else FULL_DRAFT_LENGTHS
+    plain_runs = 1 if quick else 2  # two also show whether plain decoding repeats
+    rows = []
+    for w in prompts:
+        plain = [
+            _run_plain(model, tokenizer, w["prompt"], w["max_tokens"])
+            for _ in range(plain_runs)
+        ]
+        for draft in drafters:
+            for k in lengths:
+                spec = _run_spec(
+                    model, tokenizer, w["prompt"], w["max_tokens"], draft, k
+                )
+                at = first_difference(plain, [spec])
+                rows.append(
+                    {
+                        "prompt": w["name"],
+                        "draft": draft,
+                        "num_draft_tokens": k,
+                        "tokens": len(spec["tokens"]),
+                        "first_differing_token": at,
+                    }
+                )
+                name = f"{w['name']} / {draft} / k={k}"
+                if at is None:
+                    part.check(name, PASS, f"{len(spec['tokens'])} tokens = plain")
+                elif at < 0:
+                    part.check(
+                        name,
+                        FAIL,
+                        "plain greedy decoding itself gave different tokens in "
+                        "different runs; losslessness cannot be judged here",
+                    )
+                else:
+                    part.check(
+                        name, FAIL, f"differs from plain from token {at}: {MEANING}"
+                    )
+                progress and progress()
+    part.facts.update(drafters=drafters, draft_lengths=list(lengths), runs=rows)
+    return part.settle(
+        f"{len(rows)} greedy runs ({', '.join(drafters)}; k = "
+        f"{', '.join(map(str, lengths))}) gave plain decoding's tokens"
+    )
+
+
+def lossless_steps(model, prompts: List[dict], quick: bool) -> int:
+    """How many runs :func:`check_lossless` reports progress for."""
+    lengths = QUICK_DRAFT_LENGTHS if quick else FULL_DRAFT_LENGTHS
+    return len(prompts) * len(available_drafters(model)) * len(lengths)
