@@ -31,7 +31,7 @@ first and never fewer than ``PRIOR_FLOOR``: passes that all have one shape,
 all at ``k = 0`` say, determine only one combination of the costs; a pass
 of a shape seen before counts as at most ``STALL_BOUND`` times its expected
 cost). After
-``PROBE_EVERY`` passes at ``k = 0``, one pass drafts one token, so
+``TUNING.probe_every`` passes at ``k = 0``, one pass drafts one token, so
 acceptance that improves is noticed.
 """
 
@@ -40,12 +40,8 @@ from typing import Dict, List, Sequence, Tuple
 from ..models.pipeline import from_rank0
 from .batch_mtp import head_drafter
 from .least_squares import decayed, outer, solve_linear
-from .policy import PROBE_EVERY, counted_seconds, reprobe
-
-DECAY = 0.95  # weight of older passes in the cost fit
-PRIOR_WEIGHT = 4.0  # the profile counts as this many passes at first
-PRIOR_FLOOR = 0.1  # and as this many once the passes seen outweigh it
-GAMMA_PULL = 0.1  # what stays of the pull of gamma towards 0
+from .policy import counted_seconds, reprobe
+from .policy_tuning import TUNING
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -68,6 +64,7 @@ class PassLength:
 
     def __init__(self, verify_costs: Sequence[float], group=None):
         self.group = group
+        verify_costs = list(verify_costs)  # the prior: the costs as they are now
         n = len(verify_costs)
         beta = max((verify_costs[-1] - verify_costs[0]) / max(n - 1, 1), 1e-6)
         prior = [max(verify_costs[0] - beta, 0.0), beta, 0.0, 0.0]
@@ -82,18 +79,28 @@ class PassLength:
             y = sum(a * b for a, b in zip(f, prior))
             A0 = [[a + c for a, c in zip(r, o)] for r, o in zip(A0, outer(f, 1 / n))]
             b0 = [b + x * y / n for b, x in zip(b0, f)]
-        self._A = [[PRIOR_WEIGHT * a for a in r] for r in A0]
-        self._b = [PRIOR_WEIGHT * b for b in b0]
+        self._A = [[TUNING.batch_prior_weight * a for a in r] for r in A0]
+        self._b = [TUNING.batch_prior_weight * b for b in b0]
         # What each pass adds so that the prior never weighs less than
-        # PRIOR_FLOOR passes (gamma's pull: GAMMA_PULL): passes of one shape
+        # TUNING.batch_prior_floor passes (gamma's pull: batch_gamma_pull): passes of one shape
         # alone let noise fit a negative alpha and a steep beta, with which
         # no draft ever looked affordable.
-        floor = [[(1 - DECAY) * PRIOR_FLOOR * a for a in r] for r in A0]
-        floor[2][2] = floor[3][3] = (1 - DECAY) * GAMMA_PULL
-        self._floor = (floor, [(1 - DECAY) * PRIOR_FLOOR * b for b in b0])
+        floor = [
+            [(1 - TUNING.batch_decay) * TUNING.batch_prior_floor * a for a in r]
+            for r in A0
+        ]
+        floor[2][2] = floor[3][3] = (1 - TUNING.batch_decay) * TUNING.batch_gamma_pull
+        self._floor = (
+            floor,
+            [(1 - TUNING.batch_decay) * TUNING.batch_prior_floor * b for b in b0],
+        )
         self._theta = None  # the fitted (alpha, beta, gamma, delta)
         self._counted: set = set()  # (rows, T, head steps) of passes fitted
-        self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
+        self.passes_at_zero, self.probe_every, self.probing = (
+            0,
+            TUNING.probe_every,
+            False,
+        )
         self.last = None  # the last (k, k_h) chosen
 
     def cost(self, rows: int, T: int, head_steps: int = 0, catch_up: int = 0) -> float:
@@ -118,8 +125,10 @@ class PassLength:
         )
         f = _features(rows, T, head_steps, catch_up)
         self._theta = None  # refitted when next needed
-        self._A = decayed(self._A, outer(f), DECAY, self._floor[0])
-        self._b = decayed(self._b, [x * seconds for x in f], DECAY, self._floor[1])
+        self._A = decayed(self._A, outer(f), TUNING.batch_decay, self._floor[0])
+        self._b = decayed(
+            self._b, [x * seconds for x in f], TUNING.batch_decay, self._floor[1]
+        )
 
     def choose(
         self,

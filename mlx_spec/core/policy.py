@@ -11,7 +11,7 @@ pass: a constant (host work, a busier machine), a fixed cost of a pass that
 drafts at all (the drafter catching up on the last pass's tokens) and a cost
 per draft (the drafter's own forwards, which run on the device with the verify
 pass and are invisible to a host timer); a pass the machine stalled on counts
-as at most ``STALL_BOUND`` times what was expected. The policy picks the ``k``
+as at most ``TUNING.stall_bound`` times what was expected. The policy picks the ``k``
 that maximises tokens per second, which is ``k = 0`` (plain decoding) whenever
 speculation does not pay; it then re-probes with one draft now and then, so a
 workload that becomes predictable is noticed, spaced by what a probe costs.
@@ -26,45 +26,11 @@ from typing import List, Optional, Tuple
 
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
 from ..models.pipeline import from_rank0
+from .cost_profile import SHORT_CONTEXT, CostProfile, as_cost_profile
 from .least_squares import decayed, outer, solve_linear
-from .verify_profile import SHORT_CONTEXT, head_step_cost, verify_cost_profiles
+from .policy_tuning import TUNING
+from .verify_profile import cost_profile, head_step_cost
 
-# Prior acceptance per position before any evidence, and its weight (in passes).
-_PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
-# Exponential forgetting: acceptance drifts with the content being generated.
-_DECAY = 0.97
-PROBE_EVERY = 16  # passes at k = 0 before a one-draft probe
-# Each rejected probe doubles the wait before the next (a probe costs the
-# drafter's catch-up over every deferred row), from PROBE_EVERY up to this; an
-# accepted one is followed by another at the next pass while the first draft
-# position has less evidence than PROBE_STREAK_EVIDENCE (decayed passes), so
-# that a drafter which became useful is re-learned within a few passes, not a
-# few probes; with that evidence the policy's own choice takes over.
-MAX_PROBE_EVERY = 128
-PROBE_STREAK_EVIDENCE = 4.0
-# And the wait is never so short that probes cost more than this share of the
-# plain passes between them (at a long context a probe of the MTP head, its
-# catch-up included, costs about two plain passes: a wait of ~70).
-PROBE_BUDGET = 0.03
-_COST_DECAY = 0.95  # forgetting of older passes in the learned pass cost
-# A timed pass counts as at most this many times what the cost fit expected,
-# once a pass of its shape was counted (see counted_seconds).
-STALL_BOUND = 1.5
-# Trust in the host-timed draft cost, in one-draft passes' worth of evidence,
-# and (far weaker) in a fixed cost of drafting of 0 (see fitted_costs).
-_SLOPE_PRIOR_WEIGHT, _FIXED_PRIOR_WEIGHT = 0.5, 0.05
-# While drafting, a pass without drafts is timed once the last one's weight
-# (decaying with _COST_DECAY per pass) falls below this: about every 28 passes,
-# so the cost line is anchored at k = 0, not extrapolated to it.
-_PLAIN_PROBE_WEIGHT = 0.25
-# A pass drafts one token more than the best draft length while the position
-# after it has fewer than DEPTH_EVIDENCE decayed trials, is reached (every
-# draft before it accepted) with probability DEPTH_REACH at least, and the
-# longer draft's expected speed is within DEPTH_MARGIN of the best: otherwise
-# a position whose old evidence is poor is never tested again (its estimate
-# only drifts back to the one before it) and drafting stays shorter than it
-# pays.
-DEPTH_EVIDENCE, DEPTH_REACH, DEPTH_MARGIN = 4.0, 0.5, 0.1
 HEAD_SOURCE = "mtp"  # the draft source of the model's MTP head
 
 
@@ -78,31 +44,34 @@ def most_drafts(num_draft_tokens) -> int:
 
 def make_policy(model, verify_costs: Optional[List[float]] = None, group=None):
     """The auto policy for ``model`` (per draft source): from ``verify_costs``
-    (one profile, no growth with context) when given, else from the measured
-    profiles, the MTP head's drafts starting from its measured step cost."""
+    (one profile, no growth with context) when given, else from the model's
+    :class:`~mlx_spec.core.cost_profile.CostProfile` (measured or stored, and
+    corrected by the passes timed here), the MTP head's drafts starting from
+    its measured step cost."""
     if verify_costs is not None:
         return policies_by_source(verify_costs, group=group)
-    short, long = verify_cost_profiles(model)
     head = head_step_cost(model) or 0.0
-    return policies_by_source(short, group=group, long_profile=long, head_cost=head)
+    return policies_by_source(cost_profile(model), group=group, head_cost=head)
 
 
 def policies_by_source(
-    costs: List[float],
+    costs,
     max_draft: int = MAX_AUTO_DRAFT_TOKENS,
     group=None,
     long_profile: Optional[Tuple[int, List[float]]] = None,
     head_cost: float = 0.0,
 ) -> "SourcePolicies":
-    """A :class:`DraftLengthPolicy` per draft source over the same profile;
-    the MTP head's drafts start from ``head_cost`` seconds each (a head
-    draft is lazy, so no host timer sees its steps)."""
+    """A :class:`DraftLengthPolicy` per draft source over one profile
+    (``costs``: a :class:`CostProfile`, or a list of seconds with
+    ``long_profile``), which every source's timed passes correct; the MTP
+    head's drafts start from ``head_cost`` seconds each (a head draft is
+    lazy, so no host timer sees its steps)."""
+    profile = as_cost_profile(costs, long_profile)
     return SourcePolicies(
         lambda source: DraftLengthPolicy(
-            costs,
+            profile,
             max_draft,
             group,
-            long_profile,
             draft_cost=head_cost if source == HEAD_SOURCE else 0.0,
         )
     )
@@ -110,7 +79,7 @@ def policies_by_source(
 
 def counted_seconds(seen: set, shape, seconds: float, expected: float) -> float:
     """What a cost fit counts for a timed pass of ``shape`` that took
-    ``seconds`` where it expected ``expected``: at most ``STALL_BOUND`` times
+    ``seconds`` where it expected ``expected``: at most ``TUNING.stall_bound`` times
     that once a pass of the same shape was counted (``seen``, updated). A few
     passes the machine stalled on (seen here: 85-100 ms among 20 ms ones) must
     not price every later pass, while a shape's first pass is news the fit
@@ -120,7 +89,7 @@ def counted_seconds(seen: set, shape, seconds: float, expected: float) -> float:
     if shape not in seen:
         seen.add(shape)
         return seconds
-    return min(seconds, STALL_BOUND * expected)
+    return min(seconds, TUNING.stall_bound * expected)
 
 
 def reprobe(policy, best: int, limit: int) -> int:
@@ -140,9 +109,10 @@ def reprobe(policy, best: int, limit: int) -> int:
 class DraftLengthPolicy:
     """Online choice of the number of drafts per verify pass.
 
-    ``verify_costs``: the profile after ``SHORT_CONTEXT`` tokens of context
-    (seconds, index 0 = 1 token); ``long_profile``: (a longer context, its
-    profile), without which the cost does not grow with context.
+    ``verify_costs``: a :class:`CostProfile` (shared, corrected by the
+    passes this policy times), or the profile after ``SHORT_CONTEXT`` tokens
+    of context (seconds, index 0 = 1 token) with ``long_profile``: (a longer
+    context, its profile), without which the cost does not grow with context.
     ``draft_cost``: seconds a draft costs beyond its verify forward, until
     drafts are timed (the profiled step of the MTP head, whose lazy drafts a
     host timer does not see).
@@ -151,16 +121,16 @@ class DraftLengthPolicy:
 
     def __init__(
         self,
-        verify_costs: List[float],
+        verify_costs,
         max_draft: int = MAX_AUTO_DRAFT_TOKENS,
         group=None,
         long_profile: Optional[Tuple[int, List[float]]] = None,
         draft_cost: float = 0.0,
     ):
         self.group = group
-        self.verify_costs = list(verify_costs)
-        self.long_profile = long_profile
-        self.max_draft = min(max_draft, len(self.verify_costs) - 1)
+        self.profile: CostProfile = as_cost_profile(verify_costs, long_profile)
+        self._profile_version = self.profile.version
+        self.max_draft = min(max_draft, len(self.profile) - 1)
         self.accepted = [0.0] * self.max_draft  # decayed counts per position
         self.drafted = [0.0] * self.max_draft
         self.draft_cost = draft_cost  # seconds per drafted token (host-timed)
@@ -172,7 +142,11 @@ class DraftLengthPolicy:
         self._plain_weight = 0.0  # decayed count of timed passes without drafts
         self._warm: set = set()  # draft counts past their first (warm-up) pass
         self._counted: set = set()  # draft counts with a pass in the cost fit
-        self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
+        self.passes_at_zero, self.probe_every, self.probing = (
+            0,
+            TUNING.probe_every,
+            False,
+        )
         self.last_choice = self.best = 0
 
     def acceptance(self) -> List[float]:
@@ -182,20 +156,15 @@ class DraftLengthPolicy:
         it (acceptance changes slowly with depth), so a deeper draft is tried
         once shallower drafts prove reliable.
         """
-        rates, prior = [], _PRIOR
+        rates, prior = [], TUNING.prior_acceptance
         for a, d in zip(self.accepted, self.drafted):
-            prior = (a + prior * _PRIOR_WEIGHT) / (d + _PRIOR_WEIGHT)
+            prior = (a + prior * TUNING.prior_weight) / (d + TUNING.prior_weight)
             rates.append(prior)
         return rates
 
     def verify_cost(self, k: int, context: int) -> float:
         """Seconds of a verify forward over 1 + k tokens after ``context``."""
-        base = self.verify_costs[k]
-        if self.long_profile is None:
-            return base
-        c1, long = self.long_profile
-        slope = max(long[k] - base, 0.0) / (c1 - SHORT_CONTEXT)
-        return base + slope * max(context - SHORT_CONTEXT, 0)
+        return self.profile.verify_cost(k, context)
 
     def pass_cost(self, k: int, context: int = SHORT_CONTEXT) -> float:
         """Expected seconds of a pass with ``k`` drafts after ``context`` tokens."""
@@ -218,7 +187,11 @@ class DraftLengthPolicy:
         """
         if self._fitted is not None:
             return self._fitted
-        lam_f, lam_s, b0 = _FIXED_PRIOR_WEIGHT, _SLOPE_PRIOR_WEIGHT, self.draft_cost
+        lam_f, lam_s, b0 = (
+            TUNING.fixed_prior_weight,
+            TUNING.slope_prior_weight,
+            self.draft_cost,
+        )
         if self._fit_A[0][0] == 0:
             return 0.0, 0.0, b0  # not kept: the host-timed cost may change
         A = [row[:] for row in self._fit_A]  # plus the priors' pulls
@@ -253,14 +226,18 @@ class DraftLengthPolicy:
             # a draft costs, as fitted (a probe's own time: observe_pass).
             self._space_probes(self.pass_cost(1, context), context)
         best = reprobe(self, best, limit)
-        if 0 < self.best < limit and self.drafted[best] < DEPTH_EVIDENCE:
+        if 0 < self.best < limit and self.drafted[best] < TUNING.depth_evidence:
             # A depth probe: the next position is barely tested (its estimate
             # may be stale), likely reached, and one more draft looks nearly
             # as good.
             reach = math.prod(self.acceptance()[:best])
-            near = speeds[best + 1] >= (1 - DEPTH_MARGIN) * speeds[best]
-            best += reach >= DEPTH_REACH and near
-        if best and self._fit_A[0][0] and self._plain_weight < _PLAIN_PROBE_WEIGHT:
+            near = speeds[best + 1] >= (1 - TUNING.depth_margin) * speeds[best]
+            best += reach >= TUNING.depth_reach and near
+        if (
+            best
+            and self._fit_A[0][0]
+            and self._plain_weight < TUNING.plain_probe_weight
+        ):
             best, self.probing = 0, False  # a cost probe: what a plain pass takes now
         if self.group is not None:
             best = from_rank0(self.group, best)
@@ -282,19 +259,24 @@ class DraftLengthPolicy:
             return
         if self.probing:  # back off while probes keep failing
             self.probing = False
-            longer = min(max(2 * self.probe_every, PROBE_EVERY), MAX_PROBE_EVERY)
-            streak = self.drafted[0] + 1 < PROBE_STREAK_EVIDENCE
-            self.probe_every = (1 if streak else PROBE_EVERY) if n_accepted else longer
+            longer = min(
+                max(2 * self.probe_every, TUNING.probe_every), TUNING.max_probe_every
+            )
+            streak = self.drafted[0] + 1 < TUNING.probe_streak_evidence
+            self.probe_every = (
+                (1 if streak else TUNING.probe_every) if n_accepted else longer
+            )
         for i in range(self.max_draft):
-            self.accepted[i] *= _DECAY
-            self.drafted[i] *= _DECAY
+            self.accepted[i] *= TUNING.acceptance_decay
+            self.drafted[i] *= TUNING.acceptance_decay
         # Position i was tested only if drafts 0..i-1 were all accepted.
         for i in range(min(n_accepted + 1, n_drafted, self.max_draft)):
             self.drafted[i] += 1
             self.accepted[i] += i < n_accepted
         if draft_seconds is not None:
             per_token = draft_seconds / n_drafted
-            self.draft_cost = 0.8 * self.draft_cost + 0.2 * per_token
+            w = TUNING.draft_cost_update
+            self.draft_cost = (1 - w) * self.draft_cost + w * per_token
             self._fitted = None
 
     def observe_hindsight(self, hits: int, trials: int):
@@ -305,8 +287,10 @@ class DraftLengthPolicy:
         if trials <= 0:
             return
         self.passes_at_zero = 0
-        decay = _DECAY**trials
-        weight = (1 - decay) / (1 - _DECAY)  # sum of the trials' decayed weights
+        decay = TUNING.acceptance_decay**trials
+        weight = (1 - decay) / (
+            1 - TUNING.acceptance_decay
+        )  # sum of the trials' decayed weights
         self.accepted[0] = self.accepted[0] * decay + weight * hits / trials
         self.drafted[0] = self.drafted[0] * decay + weight
 
@@ -319,24 +303,31 @@ class DraftLengthPolicy:
         if n_drafted not in self._warm:  # the first pass of a shape pays warm-up
             self._warm.add(n_drafted)
             return
+        self.profile.observe(n_drafted, context, seconds)
+        if self.profile.version != self._profile_version:
+            # The profile was corrected (by this pass or another source's):
+            # residuals fitted against the old one would price it twice.
+            self._profile_version = self.profile.version
+            self._fit_A, self._fit_b = [[0.0] * 3 for _ in range(3)], [0.0] * 3
+            self._counted.clear()
         if n_drafted and self.best == 0 and self.probe_every > 1:
             self._space_probes(seconds, context)  # what this probe took
-        self._plain_weight = _COST_DECAY * self._plain_weight + (n_drafted == 0)
+        self._plain_weight = TUNING.cost_decay * self._plain_weight + (n_drafted == 0)
         expected = self.pass_cost(n_drafted, context)
         seconds = counted_seconds(self._counted, n_drafted, seconds, expected)
         k, r = n_drafted, seconds - self.verify_cost(n_drafted, context)
         x = [1.0, float(k > 0), float(k)]
-        self._fit_A = decayed(self._fit_A, outer(x), _COST_DECAY)
-        self._fit_b = decayed(self._fit_b, [a * r for a in x], _COST_DECAY)
+        self._fit_A = decayed(self._fit_A, outer(x), TUNING.cost_decay)
+        self._fit_b = decayed(self._fit_b, [a * r for a in x], TUNING.cost_decay)
         self._fitted = None
 
     def _space_probes(self, seconds: float, context: int):
         """A probe (not one of a streak) takes ``seconds``: wait long enough
-        before the next for probes to cost at most ``PROBE_BUDGET`` of the
+        before the next for probes to cost at most ``TUNING.probe_budget`` of the
         plain passes between them."""
         plain = self.pass_cost(0, context)
-        wait = math.ceil((seconds - plain) / (PROBE_BUDGET * plain))
-        self.probe_every = min(max(self.probe_every, wait), MAX_PROBE_EVERY)
+        wait = math.ceil((seconds - plain) / (TUNING.probe_budget * plain))
+        self.probe_every = min(max(self.probe_every, wait), TUNING.max_probe_every)
 
 
 class SourcePolicies:
