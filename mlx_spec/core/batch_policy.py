@@ -40,24 +40,15 @@ from typing import Dict, List, Sequence, Tuple
 from ..models.pipeline import from_rank0
 from .batch_mtp import head_drafter
 from .least_squares import decayed, outer, solve_linear
-from .policy import counted_seconds, reprobe
+from .policy import ProbeSchedule, _ProbeFields, counted_seconds, expected_tokens
 from .policy_tuning import TUNING
-
-
-def expected_tokens(acceptance: Sequence[float], k: int) -> float:
-    """Tokens a pass with ``k`` drafts yields on average (accepted + 1)."""
-    tokens, survive = 1.0, 1.0
-    for a in acceptance[:k]:
-        survive *= a
-        tokens += survive
-    return tokens
 
 
 def _features(rows: int, T: int, head_steps: int, catch_up: int) -> List[float]:
     return [1.0, float(rows * T), float(head_steps), float(catch_up)]
 
 
-class PassLength:
+class PassLength(_ProbeFields):
     """The shared draft length of a batch's ``auto`` rows, and the batch's
     pass-cost model. ``verify_costs``: the single-sequence profile
     (seconds, index 0 = 1 token)."""
@@ -96,11 +87,7 @@ class PassLength:
         )
         self._theta = None  # the fitted (alpha, beta, gamma, delta)
         self._counted: set = set()  # (rows, T, head steps) of passes fitted
-        self.passes_at_zero, self.probe_every, self.probing = (
-            0,
-            TUNING.probe_every,
-            False,
-        )
+        self.probes = ProbeSchedule()
         self.last = None  # the last (k, k_h) chosen
 
     def cost(self, rows: int, T: int, head_steps: int = 0, catch_up: int = 0) -> float:
@@ -166,7 +153,7 @@ class PassLength:
 
         pairs = [(k, kh) for k in range(limit + 1) for kh in range(head_limit + 1)]
         k, kh = max(pairs, key=speed)
-        if reprobe(self, max(k, kh), max(limit, head_limit)) > max(k, kh):
+        if self.probes.apply(max(k, kh), max(limit, head_limit)) > max(k, kh):
             k, kh = min(1, limit), min(1, head_limit)  # one draft for every row
         if self.group is not None:
             k, kh = from_rank0(self.group, k), from_rank0(self.group, kh)
@@ -176,7 +163,7 @@ class PassLength:
     def next_is_plain(self) -> bool:
         """Whether the next choice drafts nothing (said before it is made):
         the last one drafted nothing and no probe is due."""
-        return self.last == (0, 0) and self.passes_at_zero + 1 < self.probe_every
+        return self.last == (0, 0) and self.probes.plain_next()
 
 
 def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int]:
@@ -218,7 +205,7 @@ def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int
         ks[b] = row.policy.active.choose(room, len(row.decoder.history))
     elif auto:
         if judged:  # as for one sequence, judgements stand in for probes
-            lengths.passes_at_zero = 0
+            lengths.probes.restart()
 
         def group(with_head: bool):
             return [

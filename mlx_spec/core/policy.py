@@ -1,28 +1,20 @@
 """Choosing the draft length online: ``--num-draft-tokens auto``.
 
-The expected number of tokens a verify pass with ``k`` drafts yields is
-``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i``, where ``a_i`` is the probability that
-draft ``i`` is accepted given drafts ``1..i-1`` were. Its cost is modelled as
-the verify forward over ``1+k`` tokens at the current context length (the
-profile, measured once at a short and a long context and interpolated:
-attention grows linearly with context), plus what the passes of this
-generation really took beyond their verify forward, learned online from every
-pass: a constant (host work, a busier machine), a fixed cost of a pass that
-drafts at all (the drafter catching up on the last pass's tokens) and a cost
-per draft (the drafter's own forwards, which run on the device with the verify
-pass and are invisible to a host timer); a pass the machine stalled on counts
-as at most ``TUNING.stall_bound`` times what was expected. The policy picks the ``k``
-that maximises tokens per second, which is ``k = 0`` (plain decoding) whenever
-speculation does not pay; it then re-probes with one draft now and then, so a
-workload that becomes predictable is noticed, spaced by what a probe costs.
-While it drafts, the position after its choice is tested again now and then
-(a depth probe) while that position has little recent evidence and one more
-draft looks nearly as good, so an estimate left low by old failures does not
-keep drafts short.
+Each pass drafts the ``k`` that maximises expected tokens per second,
+``E(k) / cost(k)``: ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` from decayed
+per-position acceptance estimates ``a_i`` (one policy per draft source), and
+``cost(k)`` the verify forward over ``1 + k`` tokens at this context (the
+:class:`~mlx_spec.core.cost_profile.CostProfile`, which timed passes correct)
+plus what this generation's passes took beyond it (a decayed least-squares
+fit of a constant, a fixed cost of drafting at all and a cost per draft).
+``k = 0`` is plain decoding; exploration is a :class:`ProbeSchedule` (one
+draft now and then at ``k = 0``) and a depth probe (one draft more while the
+next position is barely tested). Constants: :mod:`.policy_tuning`; the why
+and the evidence: ``docs/auto_policy.md``.
 """
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
 from ..models.pipeline import from_rank0
@@ -77,6 +69,16 @@ def policies_by_source(
     )
 
 
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """Tokens a pass with ``k`` drafts yields on average (accepted + 1):
+    ``1 + sum_{j<=k} prod_{i<=j} a_i`` from per-position acceptance ``a_i``."""
+    tokens, survive = 1.0, 1.0
+    for a in acceptance[:k]:
+        survive *= a
+        tokens += survive
+    return tokens
+
+
 def counted_seconds(seen: set, shape, seconds: float, expected: float) -> float:
     """What a cost fit counts for a timed pass of ``shape`` that took
     ``seconds`` where it expected ``expected``: at most ``TUNING.stall_bound`` times
@@ -92,21 +94,85 @@ def counted_seconds(seen: set, shape, seconds: float, expected: float) -> float:
     return min(seconds, TUNING.stall_bound * expected)
 
 
-def reprobe(policy, best: int, limit: int) -> int:
-    """``best``, except one draft after ``policy.probe_every`` passes at
-    k = 0 (acceptance may have changed); counts ``policy.passes_at_zero`` and
-    sets ``policy.probing`` for a probe."""
-    policy.probing = False
-    if best == 0 and limit > 0:
-        policy.passes_at_zero += 1
-        if policy.passes_at_zero < policy.probe_every:
-            return 0
-        policy.probing = True
-    policy.passes_at_zero = 0
-    return max(best, int(policy.probing))  # MLX refuses a bool as a slice bound
+class ProbeSchedule:
+    """Exploration at ``k = 0``: when a policy that drafts nothing drafts one
+    token anyway (a probe), so a workload that turns predictable is noticed.
+
+    A probe comes after ``every`` plain passes. A rejected one doubles the
+    wait (up to ``TUNING.max_probe_every``: a probe of the MTP head costs its
+    catch-up over every deferred row); an accepted one is followed by another
+    at once while the first position has little evidence, and the wait never
+    lets probes cost more than ``TUNING.probe_budget`` of the plain passes
+    between them (:meth:`space`). A first draft judged without a verify pass
+    counts as a probe (:meth:`restart`)."""
+
+    def __init__(self):
+        self.every = TUNING.probe_every  # plain passes before the next probe
+        self.waited = 0  # plain passes since the last probe
+        self.probing = False  # the last choice was a probe
+
+    def apply(self, best: int, limit: int) -> int:
+        """``best``, or one draft where a probe is due (``best == 0``)."""
+        self.probing = False
+        if best == 0 and limit > 0:
+            self.waited += 1
+            if self.waited < self.every:
+                return 0
+            self.probing = True
+        self.waited = 0
+        return max(best, int(self.probing))  # MLX refuses a bool as a slice bound
+
+    def restart(self):
+        """Evidence came without a probe: the next waits a full interval."""
+        self.waited = 0
+
+    def plain_next(self) -> bool:
+        """Whether the next choice at ``k = 0`` will not probe."""
+        return self.waited + 1 < self.every
+
+    def probed(self, accepted: bool, evidence: float):
+        """A probe's draft was verified; ``evidence``: the first position's
+        decayed trials before it."""
+        self.probing = False
+        if accepted:
+            streak = evidence + 1 < TUNING.probe_streak_evidence
+            self.every = 1 if streak else TUNING.probe_every
+        else:
+            longer = max(2 * self.every, TUNING.probe_every)
+            self.every = min(longer, TUNING.max_probe_every)
+
+    def space(self, probe_seconds: float, plain_seconds: float):
+        """A probe (not one of a streak) takes ``probe_seconds``: wait long
+        enough before the next for probes to cost at most
+        ``TUNING.probe_budget`` of the plain passes between them."""
+        if self.every <= 1:
+            return
+        extra = probe_seconds - plain_seconds
+        wait = math.ceil(extra / (TUNING.probe_budget * plain_seconds))
+        self.every = min(max(self.every, wait), TUNING.max_probe_every)
 
 
-class DraftLengthPolicy:
+class _ProbeFields:
+    """The schedule's fields under the names callers used before it was one
+    object (``policy.probe_every``, ``.passes_at_zero``, ``.probing``)."""
+
+    probes: ProbeSchedule
+
+    probe_every = property(
+        lambda self: self.probes.every,
+        lambda self, v: setattr(self.probes, "every", v),
+    )
+    passes_at_zero = property(
+        lambda self: self.probes.waited,
+        lambda self, v: setattr(self.probes, "waited", v),
+    )
+    probing = property(
+        lambda self: self.probes.probing,
+        lambda self, v: setattr(self.probes, "probing", v),
+    )
+
+
+class DraftLengthPolicy(_ProbeFields):
     """Online choice of the number of drafts per verify pass.
 
     ``verify_costs``: a :class:`CostProfile` (shared, corrected by the
@@ -142,11 +208,7 @@ class DraftLengthPolicy:
         self._plain_weight = 0.0  # decayed count of timed passes without drafts
         self._warm: set = set()  # draft counts past their first (warm-up) pass
         self._counted: set = set()  # draft counts with a pass in the cost fit
-        self.passes_at_zero, self.probe_every, self.probing = (
-            0,
-            TUNING.probe_every,
-            False,
-        )
+        self.probes = ProbeSchedule()
         self.last_choice = self.best = 0
 
     def acceptance(self) -> List[float]:
@@ -209,11 +271,7 @@ class DraftLengthPolicy:
 
     def expected_speed(self, k: int, context: int = SHORT_CONTEXT) -> float:
         """Expected tokens per second with ``k`` drafts."""
-        tokens, survive = 1.0, 1.0
-        for a in self.acceptance()[:k]:
-            survive *= a
-            tokens += survive
-        return tokens / self.pass_cost(k, context)
+        return expected_tokens(self.acceptance(), k) / self.pass_cost(k, context)
 
     def choose(self, limit: int, context: int = SHORT_CONTEXT) -> int:
         """Drafts for the next pass (after ``context`` tokens), at most ``limit``."""
@@ -221,11 +279,11 @@ class DraftLengthPolicy:
         speeds = [self.expected_speed(k, context) for k in range(limit + 1)]
         best = max(range(limit + 1), key=speeds.__getitem__)
         self.best = best
-        if best == 0 and self.last_choice and self.probe_every > 1:
+        if best == 0 and self.last_choice:
             # Drafting stopped (or a probe ran): the next probe waits by what
             # a draft costs, as fitted (a probe's own time: observe_pass).
-            self._space_probes(self.pass_cost(1, context), context)
-        best = reprobe(self, best, limit)
+            self.probes.space(self.pass_cost(1, context), self.pass_cost(0, context))
+        best = self.probes.apply(best, limit)
         if 0 < self.best < limit and self.drafted[best] < TUNING.depth_evidence:
             # A depth probe: the next position is barely tested (its estimate
             # may be stale), likely reached, and one more draft looks nearly
@@ -238,7 +296,7 @@ class DraftLengthPolicy:
             and self._fit_A[0][0]
             and self._plain_weight < TUNING.plain_probe_weight
         ):
-            best, self.probing = 0, False  # a cost probe: what a plain pass takes now
+            best, self.probes.probing = 0, False  # a cost probe: a plain pass now
         if self.group is not None:
             best = from_rank0(self.group, best)
         self.last_choice = best
@@ -249,7 +307,7 @@ class DraftLengthPolicy:
         too (said before it is chosen): drafting did not pay at the last
         choice and no probe is due. A plain pass may then be queued while
         this one runs (see ``SpeculativeDecoder.verify``)."""
-        return self.best == 0 and self.passes_at_zero + 1 < self.probe_every
+        return self.best == 0 and self.probes.plain_next()
 
     def update(
         self, n_drafted: int, n_accepted: int, draft_seconds: Optional[float] = None
@@ -257,15 +315,8 @@ class DraftLengthPolicy:
         """Record a verify pass: ``n_accepted`` of ``n_drafted`` drafts kept."""
         if n_drafted == 0:
             return
-        if self.probing:  # back off while probes keep failing
-            self.probing = False
-            longer = min(
-                max(2 * self.probe_every, TUNING.probe_every), TUNING.max_probe_every
-            )
-            streak = self.drafted[0] + 1 < TUNING.probe_streak_evidence
-            self.probe_every = (
-                (1 if streak else TUNING.probe_every) if n_accepted else longer
-            )
+        if self.probes.probing:
+            self.probes.probed(n_accepted > 0, self.drafted[0])
         for i in range(self.max_draft):
             self.accepted[i] *= TUNING.acceptance_decay
             self.drafted[i] *= TUNING.acceptance_decay
@@ -286,11 +337,10 @@ class DraftLengthPolicy:
         probe: the next one waits ``probe_every`` passes at k = 0 again."""
         if trials <= 0:
             return
-        self.passes_at_zero = 0
+        self.probes.restart()
         decay = TUNING.acceptance_decay**trials
-        weight = (1 - decay) / (
-            1 - TUNING.acceptance_decay
-        )  # sum of the trials' decayed weights
+        # the sum of the trials' decayed weights
+        weight = (1 - decay) / (1 - TUNING.acceptance_decay)
         self.accepted[0] = self.accepted[0] * decay + weight * hits / trials
         self.drafted[0] = self.drafted[0] * decay + weight
 
@@ -310,8 +360,8 @@ class DraftLengthPolicy:
             self._profile_version = self.profile.version
             self._fit_A, self._fit_b = [[0.0] * 3 for _ in range(3)], [0.0] * 3
             self._counted.clear()
-        if n_drafted and self.best == 0 and self.probe_every > 1:
-            self._space_probes(seconds, context)  # what this probe took
+        if n_drafted and self.best == 0:  # what this probe took
+            self.probes.space(seconds, self.pass_cost(0, context))
         self._plain_weight = TUNING.cost_decay * self._plain_weight + (n_drafted == 0)
         expected = self.pass_cost(n_drafted, context)
         seconds = counted_seconds(self._counted, n_drafted, seconds, expected)
@@ -320,14 +370,6 @@ class DraftLengthPolicy:
         self._fit_A = decayed(self._fit_A, outer(x), TUNING.cost_decay)
         self._fit_b = decayed(self._fit_b, [a * r for a in x], TUNING.cost_decay)
         self._fitted = None
-
-    def _space_probes(self, seconds: float, context: int):
-        """A probe (not one of a streak) takes ``seconds``: wait long enough
-        before the next for probes to cost at most ``TUNING.probe_budget`` of the
-        plain passes between them."""
-        plain = self.pass_cost(0, context)
-        wait = math.ceil((seconds - plain) / (TUNING.probe_budget * plain))
-        self.probe_every = min(max(self.probe_every, wait), TUNING.max_probe_every)
 
 
 class SourcePolicies:
