@@ -127,3 +127,71 @@ def test_a_corrected_profile_is_written_back_and_read_by_the_next_process(
     monkeypatch.setattr(verify_profile, "_profiles", {})  # a new process
     assert verify_profile.verify_cost_profile(model) == healed
     assert len(measured) == 2  # short and long, measured once
+
+
+class SteppedClock:
+    """A stand-in for the decode loop's ``time``: each reading is ``step``
+    seconds after the last, so every pass takes a few steps, whatever this
+    machine's speed."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def generate_on_a_busy_profile(models, monkeypatch, tmp_path, runs=2):
+    """Generations with ``auto`` on a model whose profile was measured on a
+    busy machine (injected), every pass timed by a stepped clock (a plain
+    pass: 4 ms, far under the profile's 20), a drafter accepted 0.6 of the
+    time; checks each output is the target's. Returns the stored short
+    profile and each run's accepted drafts."""
+    import mlx.core as mx
+
+    import mlx_spec.core.decode as decode
+    from mlx_spec.core.decode import speculative_generate_step
+    from mlx_spec.testing.reference import OracleDrafter, prompts, reference_tokens
+
+    monkeypatch.setenv(verify_profile.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(verify_profile, "_profiles", {})
+
+    def measure(model, max_tokens, repeats=3, context=verify_profile.SHORT_CONTEXT):
+        return list(BUSY[:max_tokens]) if context == 32 else [2 * c for c in BUSY]
+
+    monkeypatch.setattr(verify_profile, "measure_verify_costs", measure)
+    monkeypatch.setattr(decode, "time", SteppedClock(2e-3))
+    model, tok = models["qwen3_next"]
+    prompt = prompts("mixed")
+    sequence = prompt + reference_tokens(model, tok, prompt, 80)
+    accepted = []
+    for run in range(runs):
+        steps = list(
+            speculative_generate_step(
+                mx.array(prompt),
+                model,
+                OracleDrafter(sequence, error=0.4, seed=run),
+                num_draft_tokens="auto",
+                max_tokens=80,
+            )
+        )
+        assert [t for t, _, _ in steps] == sequence[len(prompt) :]
+        accepted.append(sum(a for _, _, a in steps))
+    stored = json.loads(verify_profile.profile_cache_file().read_text())
+    short = verify_profile.verify_cost_profile(model)
+    assert short in stored.values()
+    return short, accepted
+
+
+def test_the_decode_loop_heals_a_busy_profile(models, monkeypatch, tmp_path):
+    """Through the decode loop: the passes beat the busy profile, so it is
+    lowered and written back, and ``auto`` drafts where it paid. The
+    control, healing off: the profile stays and ``auto`` hardly drafts."""
+    with monkeypatch.context() as m:
+        m.setattr(TUNING, "heal_window", 0)
+        kept, control = generate_on_a_busy_profile(models, m, tmp_path / "off")
+    assert kept == BUSY
+    healed, accepted = generate_on_a_busy_profile(models, monkeypatch, tmp_path)
+    assert healed[0] < 0.5 * BUSY[0] and all(h < b for h, b in zip(healed, BUSY))
+    assert min(accepted) >= 3 * max(control) + 10, (accepted, control)
