@@ -23,6 +23,7 @@ length), so a profile that made drafting look dear lets drafting start, and
 the lengths it then drafts are corrected in turn.
 """
 
+import threading
 from collections import deque
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -55,6 +56,7 @@ class CostProfile:
         self._healed: set = set()  # T - 1 of lengths corrected from passes
         self._recent: Dict[int, deque] = {}  # T - 1 -> recent pass / profile ratios
         self.version = 0
+        self._lock = threading.Lock()  # generations in threads share one profile
 
     def __len__(self) -> int:
         return len(self.short)
@@ -71,6 +73,10 @@ class CostProfile:
     def observe(self, k: int, context: int, seconds: float) -> bool:
         """A fairly timed pass with ``k`` drafts after ``context`` tokens took
         ``seconds``; True when it corrected the profile."""
+        with self._lock:
+            return self._observe(k, context, seconds)
+
+    def _observe(self, k: int, context: int, seconds: float) -> bool:
         window = TUNING.heal_window
         if window <= 0 or not 0 <= k < len(self.short):
             return False
