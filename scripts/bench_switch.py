@@ -7,14 +7,13 @@ Switches (``--switch``):
   ``mlx_spec/models/gdn.py``), so the device computes a verify pass's first
   layers while the host builds the rest;
 - ``depth-probes``: ``auto`` drafts one token more now and then while the
-  position after its choice is barely tested (``DEPTH_EVIDENCE`` in
-  ``mlx_spec/core/policy.py``; off: never);
+  position after its choice is barely tested (``TUNING.depth_evidence`` in
+  ``mlx_spec/core/policy_tuning.py``; off: never);
 - ``long-profile``: ``auto`` prices passes at long contexts from a profile
-  measured after ``LONG_CONTEXT`` tokens (``mlx_spec/core/verify_profile.py``;
-  off: after ``PREFILLED_LONG_CONTEXT``, as models that must prefill it are).
+  measured after ``LONG_CONTEXT`` tokens (``TUNING.long_profile``; off:
+  after ``PREFILLED_LONG_CONTEXT``, as models that must prefill it are).
 - ``stall-bound``: ``auto``'s cost fits count a pass as at most
-  ``STALL_BOUND`` times what they expected (``mlx_spec/core/policy.py``;
-  off: every pass in full).
+  ``TUNING.stall_bound`` times what they expected (off: every pass in full).
 - ``processor-drafts``: with logits processors (``--repetition-penalty``) a
   greedy target gets the head's argmax after them as drafts
   (``make_draft_sampler`` in ``mlx_spec/core/sampling.py``; off: the raw
@@ -51,10 +50,9 @@ import statistics
 
 import mlx_spec
 import mlx_spec.core.decode as decode
-import mlx_spec.core.policy as policy
-import mlx_spec.core.verify_profile as verify_profile
 import mlx_spec.models.gdn as gdn
 from mlx_spec.commands.bench import load_workloads, machine_info
+from mlx_spec.core.policy_tuning import TUNING, PolicyTuning
 from mlx_spec.core.state import GDNSlotCache
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters.base import OneDraftWalk
@@ -68,18 +66,19 @@ def _early_start(on: bool):
     GDNSlotCache.evaluate_early = on
 
 
-def _depth_probes(on: bool, default=policy.DEPTH_EVIDENCE):
-    policy.DEPTH_EVIDENCE = default if on else 0.0
+def _tuning_switch(field: str, off):
+    """A switch that sets ``TUNING.<field>`` to ``off``, or back to its default."""
+    default = getattr(PolicyTuning(), field)
+
+    def switch(on: bool):
+        setattr(TUNING, field, default if on else off)
+
+    return switch
 
 
-def _long_profile(on: bool, default=verify_profile.LONG_CONTEXT):
-    verify_profile.LONG_CONTEXT = (
-        default if on else verify_profile.PREFILLED_LONG_CONTEXT
-    )
-
-
-def _stall_bound(on: bool, default=policy.STALL_BOUND):
-    policy.STALL_BOUND = default if on else float("inf")
+_depth_probes = _tuning_switch("depth_evidence", 0.0)
+_long_profile = _tuning_switch("long_profile", False)
+_stall_bound = _tuning_switch("stall_bound", float("inf"))
 
 
 def _draft_sampler_switch(adjust):

@@ -6,10 +6,9 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-import mlx_spec.core.policy as policy
 from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.batch_policy import PassLength, _catch_up
-from mlx_spec.core.policy import PROBE_EVERY
+from mlx_spec.core.policy_tuning import TUNING
 from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
@@ -29,8 +28,8 @@ def test_drafts_get_shorter_as_the_batch_grows():
 
 def test_rows_whose_drafts_fail_decode_plainly_with_a_probe():
     policy = PassLength(PROFILE)
-    ks = [policy.choose(2, [([0.0] * 8, 8)] * 2)[0] for _ in range(PROBE_EVERY)]
-    assert ks == [0] * (PROBE_EVERY - 1) + [1]
+    ks = [policy.choose(2, [([0.0] * 8, 8)] * 2)[0] for _ in range(TUNING.probe_every)]
+    assert ks == [0] * (TUNING.probe_every - 1) + [1]
     # the probe's length bounds slices of the drafts' logits: a bool (True == 1)
     # passed the comparison above but MLX refuses it as a slice bound
     assert mx.arange(4)[: ks[-1]].tolist() == [0]
@@ -42,11 +41,11 @@ def test_the_pass_before_a_probe_is_not_said_to_be_plain():
     policy = PassLength(PROFILE)
     assert not policy.next_is_plain()  # nothing chosen yet
     said = []
-    for _ in range(PROBE_EVERY):
+    for _ in range(TUNING.probe_every):
         said.append(policy.next_is_plain())
         k, _ = policy.choose(2, [([0.0] * 8, 8)] * 2)
         assert said[-1] <= (k == 0)  # never plain when it drafts
-    assert said == [False] + [True] * (PROBE_EVERY - 2) + [False]
+    assert said == [False] + [True] * (TUNING.probe_every - 2) + [False]
     policy.choose(2, [([0.9] * 8, 8)] * 2)  # drafting pays
     assert not policy.next_is_plain()
 
@@ -153,7 +152,7 @@ def test_a_head_draft_pays_for_the_catch_up_it_runs():
     assert k >= 1 and k_head == 0
 
 
-@pytest.mark.parametrize("bound", [policy.STALL_BOUND, math.inf])
+@pytest.mark.parametrize("bound", [TUNING.stall_bound, math.inf])
 def test_two_stalled_passes_do_not_reshape_the_cost(monkeypatch, bound):
     """Four rows at T = 1..3 costing 4 ms + 2 ms per position, then two
     one-token passes the machine stalled on (90, 85 ms). Counted at most
@@ -161,7 +160,7 @@ def test_two_stalled_passes_do_not_reshape_the_cost(monkeypatch, bound):
     rows at 0.55 acceptance draft little; counted in full (the control),
     one-token passes look dearer than four-token ones and they draft 8.
     A lasting doubling of every pass is followed all the same."""
-    monkeypatch.setattr(policy, "STALL_BOUND", bound)
+    monkeypatch.setattr(TUNING, "stall_bound", bound)
     length = PassLength(PROFILE)
     for i in range(100):
         length.observe(4, 1 + i % 3, 0.004 + 0.008 * (1 + i % 3))

@@ -8,6 +8,7 @@ import pytest
 
 import mlx_spec
 import mlx_spec.core.policy as policy
+from mlx_spec.core.policy_tuning import TUNING
 import mlx_spec.core.verify_profile as verify_profile
 from mlx_spec.core.policy import DraftLengthPolicy, SourcePolicies
 from mlx_spec.drafters.base import MAX_AUTO_DRAFT_TOKENS
@@ -45,12 +46,12 @@ def test_failed_probes_back_off_and_an_accepted_one_resets_them():
             probes.append(i)
         p.update(k, 0)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert probes[0] == policy.PROBE_EVERY - 1 and gaps[:3] == [32, 64, 128]
-    assert set(gaps[2:]) == {policy.MAX_PROBE_EVERY}
+    assert probes[0] == TUNING.probe_every - 1 and gaps[:3] == [32, 64, 128]
+    assert set(gaps[2:]) == {TUNING.max_probe_every}
     while not p.choose(8):  # the next probe is accepted
         p.update(0, 0)
     p.update(1, 1)
-    assert p.probe_every == policy.PROBE_EVERY
+    assert p.probe_every == TUNING.probe_every
 
 
 def test_accepted_probes_follow_each_other_until_there_is_evidence():
@@ -67,20 +68,20 @@ def test_accepted_probes_follow_each_other_until_there_is_evidence():
         if k:
             probes.append(i)
         p.update(k, k)  # every draft accepted
-    assert probes[0] == policy.PROBE_EVERY - 1
+    assert probes[0] == TUNING.probe_every - 1
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     # then the probes' cost spaces them: 0.8 plain passes more each
-    streak = gaps.index(math.ceil(0.8 / policy.PROBE_BUDGET))
-    assert 1 <= streak <= policy.PROBE_STREAK_EVIDENCE and set(gaps[:streak]) == {1}
+    streak = gaps.index(math.ceil(0.8 / TUNING.probe_budget))
+    assert 1 <= streak <= TUNING.probe_streak_evidence and set(gaps[:streak]) == {1}
 
 
-@pytest.mark.parametrize("probe_ms, wait", [(30.0, 67), (10.8, policy.PROBE_EVERY)])
+@pytest.mark.parametrize("probe_ms, wait", [(30.0, 67), (10.8, TUNING.probe_every)])
 def test_probes_are_spaced_by_what_they_cost(probe_ms, wait):
     """An accepted probe that took two plain passes more (the MTP head
     catching up on every deferred row at a long context) is followed by 67
     plain passes, so that probes cost PROBE_BUDGET (3%) of the time; a cheap
     one (the control: what the profile says a 2-token pass costs) by
-    PROBE_EVERY."""
+    TUNING.probe_every."""
     p = DraftLengthPolicy([10e-3 + 0.8e-3 * t for t in range(9)])
     for _ in range(40):
         p.update(1, 0)  # drafts (nearly) never accepted: k = 0 but for probes
@@ -89,20 +90,20 @@ def test_probes_are_spaced_by_what_they_cost(probe_ms, wait):
     plain = 0
     while not p.choose(8):
         plain += 1
-    assert plain == policy.PROBE_EVERY - 1
+    assert plain == TUNING.probe_every - 1
     p.update(1, 1)
     p.observe_pass(1, probe_ms * 1e-3)
     while not p.choose(8):
         plain += 1
         p.observe_pass(0, 10e-3)
-    assert plain - (policy.PROBE_EVERY - 1) == wait - 1
+    assert plain - (TUNING.probe_every - 1) == wait - 1
 
 
 def test_the_first_probe_after_drafting_stops_waits_by_what_drafts_cost():
     """Passes drafting 2 tokens took 25 ms, plain ones 10 ms; then drafts
     stop being accepted. The first probe comes after more than twice
-    PROBE_EVERY plain passes (a draft costs more than a plain pass; the
-    control: passes as cheap as the profile says, 12 ms, PROBE_EVERY)."""
+    TUNING.probe_every plain passes (a draft costs more than a plain pass; the
+    control: passes as cheap as the profile says, 12 ms, TUNING.probe_every)."""
     waits = []
     for drafting_ms in (25.0, 12.0):
         p = DraftLengthPolicy([10e-3 + 1e-3 * t for t in range(9)])
@@ -120,7 +121,7 @@ def test_the_first_probe_after_drafting_stops_waits_by_what_drafts_cost():
         while not p.choose(8) and plain < 1000:
             plain += 1
         waits.append(plain)
-    assert waits[0] > 2 * policy.PROBE_EVERY and waits[1] == policy.PROBE_EVERY - 1
+    assert waits[0] > 2 * TUNING.probe_every and waits[1] == TUNING.probe_every - 1
 
 
 def test_a_first_drafts_cost_is_not_charged_to_every_draft():
@@ -206,13 +207,13 @@ def test_what_passes_really_take_enters_the_choice():
     assert policy.choose(1) == 1  # 1.6 tokens for 1.09x the cost
 
 
-@pytest.mark.parametrize("bound", [policy.STALL_BOUND, math.inf])
+@pytest.mark.parametrize("bound", [TUNING.stall_bound, math.inf])
 def test_a_few_stalled_passes_do_not_price_the_rest(monkeypatch, bound):
     """Passes of 20 ms (8 ms beyond the profile), two early ones stalled
     (90, 85 ms): counted at most STALL_BOUND times what the fit expected, the
     extra stays under 18 ms, where a draft at ~0.5 acceptance (a 2-token
     verify: 2.5x) never pays. In full (the control) it drafts for a while."""
-    monkeypatch.setattr(policy, "STALL_BOUND", bound)
+    monkeypatch.setattr(TUNING, "stall_bound", bound)
     p = DraftLengthPolicy([12e-3 + 18e-3 * t for t in range(9)])
     for _ in range(20):
         p.update(1, 1)

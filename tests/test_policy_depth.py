@@ -1,7 +1,7 @@
 """Depth probes of ``auto``: a deeper draft position whose old evidence is
 poor is tested again while one more draft looks nearly as good."""
 
-import mlx_spec.core.policy as policy
+from mlx_spec.core.policy_tuning import TUNING
 from mlx_spec.core.policy import DraftLengthPolicy
 
 
@@ -29,7 +29,7 @@ def test_a_second_draft_that_became_reliable_is_found(monkeypatch):
     costs = [1 + 0.6 * t for t in range(9)]
     choices = _passes_with_a_second_position(DraftLengthPolicy(costs), True, 200)
     assert sum(k >= 2 for k in choices[-50:]) >= 40
-    monkeypatch.setattr(policy, "DEPTH_EVIDENCE", 0.0)  # no depth probes
+    monkeypatch.setattr(TUNING, "depth_evidence", 0.0)  # no depth probes
     choices = _passes_with_a_second_position(DraftLengthPolicy(costs), True, 200)
     assert max(choices[-150:]) == 1
 

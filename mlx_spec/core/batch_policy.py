@@ -31,7 +31,7 @@ first and never fewer than ``PRIOR_FLOOR``: passes that all have one shape,
 all at ``k = 0`` say, determine only one combination of the costs; a pass
 of a shape seen before counts as at most ``STALL_BOUND`` times its expected
 cost). After
-``PROBE_EVERY`` passes at ``k = 0``, one pass drafts one token, so
+``TUNING.probe_every`` passes at ``k = 0``, one pass drafts one token, so
 acceptance that improves is noticed.
 """
 
@@ -40,34 +40,22 @@ from typing import Dict, List, Sequence, Tuple
 from ..models.pipeline import from_rank0
 from .batch_mtp import head_drafter
 from .least_squares import decayed, outer, solve_linear
-from .policy import PROBE_EVERY, counted_seconds, reprobe
-
-DECAY = 0.95  # weight of older passes in the cost fit
-PRIOR_WEIGHT = 4.0  # the profile counts as this many passes at first
-PRIOR_FLOOR = 0.1  # and as this many once the passes seen outweigh it
-GAMMA_PULL = 0.1  # what stays of the pull of gamma towards 0
-
-
-def expected_tokens(acceptance: Sequence[float], k: int) -> float:
-    """Tokens a pass with ``k`` drafts yields on average (accepted + 1)."""
-    tokens, survive = 1.0, 1.0
-    for a in acceptance[:k]:
-        survive *= a
-        tokens += survive
-    return tokens
+from .policy import ProbeSchedule, _ProbeFields, counted_seconds, expected_tokens
+from .policy_tuning import TUNING
 
 
 def _features(rows: int, T: int, head_steps: int, catch_up: int) -> List[float]:
     return [1.0, float(rows * T), float(head_steps), float(catch_up)]
 
 
-class PassLength:
+class PassLength(_ProbeFields):
     """The shared draft length of a batch's ``auto`` rows, and the batch's
     pass-cost model. ``verify_costs``: the single-sequence profile
     (seconds, index 0 = 1 token)."""
 
     def __init__(self, verify_costs: Sequence[float], group=None):
         self.group = group
+        verify_costs = list(verify_costs)  # the prior: the costs as they are now
         n = len(verify_costs)
         beta = max((verify_costs[-1] - verify_costs[0]) / max(n - 1, 1), 1e-6)
         prior = [max(verify_costs[0] - beta, 0.0), beta, 0.0, 0.0]
@@ -82,18 +70,24 @@ class PassLength:
             y = sum(a * b for a, b in zip(f, prior))
             A0 = [[a + c for a, c in zip(r, o)] for r, o in zip(A0, outer(f, 1 / n))]
             b0 = [b + x * y / n for b, x in zip(b0, f)]
-        self._A = [[PRIOR_WEIGHT * a for a in r] for r in A0]
-        self._b = [PRIOR_WEIGHT * b for b in b0]
+        self._A = [[TUNING.batch_prior_weight * a for a in r] for r in A0]
+        self._b = [TUNING.batch_prior_weight * b for b in b0]
         # What each pass adds so that the prior never weighs less than
-        # PRIOR_FLOOR passes (gamma's pull: GAMMA_PULL): passes of one shape
+        # TUNING.batch_prior_floor passes (gamma's pull: batch_gamma_pull): passes of one shape
         # alone let noise fit a negative alpha and a steep beta, with which
         # no draft ever looked affordable.
-        floor = [[(1 - DECAY) * PRIOR_FLOOR * a for a in r] for r in A0]
-        floor[2][2] = floor[3][3] = (1 - DECAY) * GAMMA_PULL
-        self._floor = (floor, [(1 - DECAY) * PRIOR_FLOOR * b for b in b0])
+        floor = [
+            [(1 - TUNING.batch_decay) * TUNING.batch_prior_floor * a for a in r]
+            for r in A0
+        ]
+        floor[2][2] = floor[3][3] = (1 - TUNING.batch_decay) * TUNING.batch_gamma_pull
+        self._floor = (
+            floor,
+            [(1 - TUNING.batch_decay) * TUNING.batch_prior_floor * b for b in b0],
+        )
         self._theta = None  # the fitted (alpha, beta, gamma, delta)
         self._counted: set = set()  # (rows, T, head steps) of passes fitted
-        self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
+        self.probes = ProbeSchedule()
         self.last = None  # the last (k, k_h) chosen
 
     def cost(self, rows: int, T: int, head_steps: int = 0, catch_up: int = 0) -> float:
@@ -118,8 +112,10 @@ class PassLength:
         )
         f = _features(rows, T, head_steps, catch_up)
         self._theta = None  # refitted when next needed
-        self._A = decayed(self._A, outer(f), DECAY, self._floor[0])
-        self._b = decayed(self._b, [x * seconds for x in f], DECAY, self._floor[1])
+        self._A = decayed(self._A, outer(f), TUNING.batch_decay, self._floor[0])
+        self._b = decayed(
+            self._b, [x * seconds for x in f], TUNING.batch_decay, self._floor[1]
+        )
 
     def choose(
         self,
@@ -157,7 +153,7 @@ class PassLength:
 
         pairs = [(k, kh) for k in range(limit + 1) for kh in range(head_limit + 1)]
         k, kh = max(pairs, key=speed)
-        if reprobe(self, max(k, kh), max(limit, head_limit)) > max(k, kh):
+        if self.probes.apply(max(k, kh), max(limit, head_limit)) > max(k, kh):
             k, kh = min(1, limit), min(1, head_limit)  # one draft for every row
         if self.group is not None:
             k, kh = from_rank0(self.group, k), from_rank0(self.group, kh)
@@ -167,7 +163,7 @@ class PassLength:
     def next_is_plain(self) -> bool:
         """Whether the next choice drafts nothing (said before it is made):
         the last one drafted nothing and no probe is due."""
-        return self.last == (0, 0) and self.passes_at_zero + 1 < self.probe_every
+        return self.last == (0, 0) and self.probes.plain_next()
 
 
 def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int]:
@@ -209,7 +205,7 @@ def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int
         ks[b] = row.policy.active.choose(room, len(row.decoder.history))
     elif auto:
         if judged:  # as for one sequence, judgements stand in for probes
-            lengths.passes_at_zero = 0
+            lengths.probes.restart()
 
         def group(with_head: bool):
             return [

@@ -1,70 +1,28 @@
 """Choosing the draft length online: ``--num-draft-tokens auto``.
 
-The expected number of tokens a verify pass with ``k`` drafts yields is
-``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i``, where ``a_i`` is the probability that
-draft ``i`` is accepted given drafts ``1..i-1`` were. Its cost is modelled as
-the verify forward over ``1+k`` tokens at the current context length (the
-profile, measured once at a short and a long context and interpolated:
-attention grows linearly with context), plus what the passes of this
-generation really took beyond their verify forward, learned online from every
-pass: a constant (host work, a busier machine), a fixed cost of a pass that
-drafts at all (the drafter catching up on the last pass's tokens) and a cost
-per draft (the drafter's own forwards, which run on the device with the verify
-pass and are invisible to a host timer); a pass the machine stalled on counts
-as at most ``STALL_BOUND`` times what was expected. The policy picks the ``k``
-that maximises tokens per second, which is ``k = 0`` (plain decoding) whenever
-speculation does not pay; it then re-probes with one draft now and then, so a
-workload that becomes predictable is noticed, spaced by what a probe costs.
-While it drafts, the position after its choice is tested again now and then
-(a depth probe) while that position has little recent evidence and one more
-draft looks nearly as good, so an estimate left low by old failures does not
-keep drafts short.
+Each pass drafts the ``k`` that maximises expected tokens per second,
+``E(k) / cost(k)``: ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` from decayed
+per-position acceptance estimates ``a_i`` (one policy per draft source), and
+``cost(k)`` the verify forward over ``1 + k`` tokens at this context (the
+:class:`~mlx_spec.core.cost_profile.CostProfile`, which timed passes correct)
+plus what this generation's passes took beyond it (a decayed least-squares
+fit of a constant, a fixed cost of drafting at all and a cost per draft).
+``k = 0`` is plain decoding; exploration is a :class:`ProbeSchedule` (one
+draft now and then at ``k = 0``) and a depth probe (one draft more while the
+next position is barely tested). Constants: :mod:`.policy_tuning`; the why
+and the evidence: ``docs/auto_policy.md``.
 """
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
 from ..models.pipeline import from_rank0
+from .cost_profile import SHORT_CONTEXT, CostProfile, as_cost_profile
 from .least_squares import decayed, outer, solve_linear
-from .verify_profile import SHORT_CONTEXT, head_step_cost, verify_cost_profiles
+from .policy_tuning import TUNING
+from .verify_profile import cost_profile, head_step_cost
 
-# Prior acceptance per position before any evidence, and its weight (in passes).
-_PRIOR, _PRIOR_WEIGHT = 0.3, 2.0
-# Exponential forgetting: acceptance drifts with the content being generated.
-_DECAY = 0.97
-PROBE_EVERY = 16  # passes at k = 0 before a one-draft probe
-# Each rejected probe doubles the wait before the next (a probe costs the
-# drafter's catch-up over every deferred row), from PROBE_EVERY up to this; an
-# accepted one is followed by another at the next pass while the first draft
-# position has less evidence than PROBE_STREAK_EVIDENCE (decayed passes), so
-# that a drafter which became useful is re-learned within a few passes, not a
-# few probes; with that evidence the policy's own choice takes over.
-MAX_PROBE_EVERY = 128
-PROBE_STREAK_EVIDENCE = 4.0
-# And the wait is never so short that probes cost more than this share of the
-# plain passes between them (at a long context a probe of the MTP head, its
-# catch-up included, costs about two plain passes: a wait of ~70).
-PROBE_BUDGET = 0.03
-_COST_DECAY = 0.95  # forgetting of older passes in the learned pass cost
-# A timed pass counts as at most this many times what the cost fit expected,
-# once a pass of its shape was counted (see counted_seconds).
-STALL_BOUND = 1.5
-# Trust in the host-timed draft cost, in one-draft passes' worth of evidence,
-# and (far weaker) in a fixed cost of drafting of 0 (see fitted_costs).
-_SLOPE_PRIOR_WEIGHT, _FIXED_PRIOR_WEIGHT = 0.5, 0.05
-# While drafting, a pass without drafts is timed once the last one's weight
-# (decaying with _COST_DECAY per pass) falls below this: about every 28 passes,
-# so the cost line is anchored at k = 0, not extrapolated to it.
-_PLAIN_PROBE_WEIGHT = 0.25
-# A pass drafts one token more than the best draft length while the position
-# after it has fewer than DEPTH_EVIDENCE decayed trials, is reached (every
-# draft before it accepted) with probability DEPTH_REACH at least, and the
-# longer draft's expected speed is within DEPTH_MARGIN of the best: otherwise
-# a position whose old evidence is poor is never tested again (its estimate
-# only drifts back to the one before it) and drafting stays shorter than it
-# pays.
-DEPTH_EVIDENCE, DEPTH_REACH, DEPTH_MARGIN = 4.0, 0.5, 0.1
 HEAD_SOURCE = "mtp"  # the draft source of the model's MTP head
 
 
@@ -78,39 +36,52 @@ def most_drafts(num_draft_tokens) -> int:
 
 def make_policy(model, verify_costs: Optional[List[float]] = None, group=None):
     """The auto policy for ``model`` (per draft source): from ``verify_costs``
-    (one profile, no growth with context) when given, else from the measured
-    profiles, the MTP head's drafts starting from its measured step cost."""
+    (one profile, no growth with context) when given, else from the model's
+    :class:`~mlx_spec.core.cost_profile.CostProfile` (measured or stored, and
+    corrected by the passes timed here), the MTP head's drafts starting from
+    its measured step cost."""
     if verify_costs is not None:
         return policies_by_source(verify_costs, group=group)
-    short, long = verify_cost_profiles(model)
     head = head_step_cost(model) or 0.0
-    return policies_by_source(short, group=group, long_profile=long, head_cost=head)
+    return policies_by_source(cost_profile(model), group=group, head_cost=head)
 
 
 def policies_by_source(
-    costs: List[float],
+    costs,
     max_draft: int = MAX_AUTO_DRAFT_TOKENS,
     group=None,
     long_profile: Optional[Tuple[int, List[float]]] = None,
     head_cost: float = 0.0,
 ) -> "SourcePolicies":
-    """A :class:`DraftLengthPolicy` per draft source over the same profile;
-    the MTP head's drafts start from ``head_cost`` seconds each (a head
-    draft is lazy, so no host timer sees its steps)."""
+    """A :class:`DraftLengthPolicy` per draft source over one profile
+    (``costs``: a :class:`CostProfile`, or a list of seconds with
+    ``long_profile``), which every source's timed passes correct; the MTP
+    head's drafts start from ``head_cost`` seconds each (a head draft is
+    lazy, so no host timer sees its steps)."""
+    profile = as_cost_profile(costs, long_profile)
     return SourcePolicies(
         lambda source: DraftLengthPolicy(
-            costs,
+            profile,
             max_draft,
             group,
-            long_profile,
             draft_cost=head_cost if source == HEAD_SOURCE else 0.0,
         )
     )
 
 
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """Tokens a pass with ``k`` drafts yields on average (accepted + 1):
+    ``1 + sum_{j<=k} prod_{i<=j} a_i`` from per-position acceptance ``a_i``."""
+    tokens, survive = 1.0, 1.0
+    for a in acceptance[:k]:
+        survive *= a
+        tokens += survive
+    return tokens
+
+
 def counted_seconds(seen: set, shape, seconds: float, expected: float) -> float:
     """What a cost fit counts for a timed pass of ``shape`` that took
-    ``seconds`` where it expected ``expected``: at most ``STALL_BOUND`` times
+    ``seconds`` where it expected ``expected``: at most ``TUNING.stall_bound`` times
     that once a pass of the same shape was counted (``seen``, updated). A few
     passes the machine stalled on (seen here: 85-100 ms among 20 ms ones) must
     not price every later pass, while a shape's first pass is news the fit
@@ -120,29 +91,94 @@ def counted_seconds(seen: set, shape, seconds: float, expected: float) -> float:
     if shape not in seen:
         seen.add(shape)
         return seconds
-    return min(seconds, STALL_BOUND * expected)
+    return min(seconds, TUNING.stall_bound * expected)
 
 
-def reprobe(policy, best: int, limit: int) -> int:
-    """``best``, except one draft after ``policy.probe_every`` passes at
-    k = 0 (acceptance may have changed); counts ``policy.passes_at_zero`` and
-    sets ``policy.probing`` for a probe."""
-    policy.probing = False
-    if best == 0 and limit > 0:
-        policy.passes_at_zero += 1
-        if policy.passes_at_zero < policy.probe_every:
-            return 0
-        policy.probing = True
-    policy.passes_at_zero = 0
-    return max(best, int(policy.probing))  # MLX refuses a bool as a slice bound
+class ProbeSchedule:
+    """Exploration at ``k = 0``: when a policy that drafts nothing drafts one
+    token anyway (a probe), so a workload that turns predictable is noticed.
+
+    A probe comes after ``every`` plain passes. A rejected one doubles the
+    wait (up to ``TUNING.max_probe_every``: a probe of the MTP head costs its
+    catch-up over every deferred row); an accepted one is followed by another
+    at once while the first position has little evidence, and the wait never
+    lets probes cost more than ``TUNING.probe_budget`` of the plain passes
+    between them (:meth:`space`). A first draft judged without a verify pass
+    counts as a probe (:meth:`restart`)."""
+
+    def __init__(self):
+        self.every = TUNING.probe_every  # plain passes before the next probe
+        self.waited = 0  # plain passes since the last probe
+        self.probing = False  # the last choice was a probe
+
+    def apply(self, best: int, limit: int) -> int:
+        """``best``, or one draft where a probe is due (``best == 0``)."""
+        self.probing = False
+        if best == 0 and limit > 0:
+            self.waited += 1
+            if self.waited < self.every:
+                return 0
+            self.probing = True
+        self.waited = 0
+        return max(best, int(self.probing))  # MLX refuses a bool as a slice bound
+
+    def restart(self):
+        """Evidence came without a probe: the next waits a full interval."""
+        self.waited = 0
+
+    def plain_next(self) -> bool:
+        """Whether the next choice at ``k = 0`` will not probe."""
+        return self.waited + 1 < self.every
+
+    def probed(self, accepted: bool, evidence: float):
+        """A probe's draft was verified; ``evidence``: the first position's
+        decayed trials before it."""
+        self.probing = False
+        if accepted:
+            streak = evidence + 1 < TUNING.probe_streak_evidence
+            self.every = 1 if streak else TUNING.probe_every
+        else:
+            longer = max(2 * self.every, TUNING.probe_every)
+            self.every = min(longer, TUNING.max_probe_every)
+
+    def space(self, probe_seconds: float, plain_seconds: float):
+        """A probe (not one of a streak) takes ``probe_seconds``: wait long
+        enough before the next for probes to cost at most
+        ``TUNING.probe_budget`` of the plain passes between them."""
+        if self.every <= 1:
+            return
+        extra = probe_seconds - plain_seconds
+        wait = math.ceil(extra / (TUNING.probe_budget * plain_seconds))
+        self.every = min(max(self.every, wait), TUNING.max_probe_every)
 
 
-class DraftLengthPolicy:
+class _ProbeFields:
+    """The schedule's fields under the names callers used before it was one
+    object (``policy.probe_every``, ``.passes_at_zero``, ``.probing``)."""
+
+    probes: ProbeSchedule
+
+    probe_every = property(
+        lambda self: self.probes.every,
+        lambda self, v: setattr(self.probes, "every", v),
+    )
+    passes_at_zero = property(
+        lambda self: self.probes.waited,
+        lambda self, v: setattr(self.probes, "waited", v),
+    )
+    probing = property(
+        lambda self: self.probes.probing,
+        lambda self, v: setattr(self.probes, "probing", v),
+    )
+
+
+class DraftLengthPolicy(_ProbeFields):
     """Online choice of the number of drafts per verify pass.
 
-    ``verify_costs``: the profile after ``SHORT_CONTEXT`` tokens of context
-    (seconds, index 0 = 1 token); ``long_profile``: (a longer context, its
-    profile), without which the cost does not grow with context.
+    ``verify_costs``: a :class:`CostProfile` (shared, corrected by the
+    passes this policy times), or the profile after ``SHORT_CONTEXT`` tokens
+    of context (seconds, index 0 = 1 token) with ``long_profile``: (a longer
+    context, its profile), without which the cost does not grow with context.
     ``draft_cost``: seconds a draft costs beyond its verify forward, until
     drafts are timed (the profiled step of the MTP head, whose lazy drafts a
     host timer does not see).
@@ -151,16 +187,16 @@ class DraftLengthPolicy:
 
     def __init__(
         self,
-        verify_costs: List[float],
+        verify_costs,
         max_draft: int = MAX_AUTO_DRAFT_TOKENS,
         group=None,
         long_profile: Optional[Tuple[int, List[float]]] = None,
         draft_cost: float = 0.0,
     ):
         self.group = group
-        self.verify_costs = list(verify_costs)
-        self.long_profile = long_profile
-        self.max_draft = min(max_draft, len(self.verify_costs) - 1)
+        self.profile: CostProfile = as_cost_profile(verify_costs, long_profile)
+        self._profile_version = self.profile.version
+        self.max_draft = min(max_draft, len(self.profile) - 1)
         self.accepted = [0.0] * self.max_draft  # decayed counts per position
         self.drafted = [0.0] * self.max_draft
         self.draft_cost = draft_cost  # seconds per drafted token (host-timed)
@@ -172,7 +208,7 @@ class DraftLengthPolicy:
         self._plain_weight = 0.0  # decayed count of timed passes without drafts
         self._warm: set = set()  # draft counts past their first (warm-up) pass
         self._counted: set = set()  # draft counts with a pass in the cost fit
-        self.passes_at_zero, self.probe_every, self.probing = 0, PROBE_EVERY, False
+        self.probes = ProbeSchedule()
         self.last_choice = self.best = 0
 
     def acceptance(self) -> List[float]:
@@ -182,20 +218,15 @@ class DraftLengthPolicy:
         it (acceptance changes slowly with depth), so a deeper draft is tried
         once shallower drafts prove reliable.
         """
-        rates, prior = [], _PRIOR
+        rates, prior = [], TUNING.prior_acceptance
         for a, d in zip(self.accepted, self.drafted):
-            prior = (a + prior * _PRIOR_WEIGHT) / (d + _PRIOR_WEIGHT)
+            prior = (a + prior * TUNING.prior_weight) / (d + TUNING.prior_weight)
             rates.append(prior)
         return rates
 
     def verify_cost(self, k: int, context: int) -> float:
         """Seconds of a verify forward over 1 + k tokens after ``context``."""
-        base = self.verify_costs[k]
-        if self.long_profile is None:
-            return base
-        c1, long = self.long_profile
-        slope = max(long[k] - base, 0.0) / (c1 - SHORT_CONTEXT)
-        return base + slope * max(context - SHORT_CONTEXT, 0)
+        return self.profile.verify_cost(k, context)
 
     def pass_cost(self, k: int, context: int = SHORT_CONTEXT) -> float:
         """Expected seconds of a pass with ``k`` drafts after ``context`` tokens."""
@@ -218,7 +249,11 @@ class DraftLengthPolicy:
         """
         if self._fitted is not None:
             return self._fitted
-        lam_f, lam_s, b0 = _FIXED_PRIOR_WEIGHT, _SLOPE_PRIOR_WEIGHT, self.draft_cost
+        lam_f, lam_s, b0 = (
+            TUNING.fixed_prior_weight,
+            TUNING.slope_prior_weight,
+            self.draft_cost,
+        )
         if self._fit_A[0][0] == 0:
             return 0.0, 0.0, b0  # not kept: the host-timed cost may change
         A = [row[:] for row in self._fit_A]  # plus the priors' pulls
@@ -236,11 +271,7 @@ class DraftLengthPolicy:
 
     def expected_speed(self, k: int, context: int = SHORT_CONTEXT) -> float:
         """Expected tokens per second with ``k`` drafts."""
-        tokens, survive = 1.0, 1.0
-        for a in self.acceptance()[:k]:
-            survive *= a
-            tokens += survive
-        return tokens / self.pass_cost(k, context)
+        return expected_tokens(self.acceptance(), k) / self.pass_cost(k, context)
 
     def choose(self, limit: int, context: int = SHORT_CONTEXT) -> int:
         """Drafts for the next pass (after ``context`` tokens), at most ``limit``."""
@@ -248,20 +279,24 @@ class DraftLengthPolicy:
         speeds = [self.expected_speed(k, context) for k in range(limit + 1)]
         best = max(range(limit + 1), key=speeds.__getitem__)
         self.best = best
-        if best == 0 and self.last_choice and self.probe_every > 1:
+        if best == 0 and self.last_choice:
             # Drafting stopped (or a probe ran): the next probe waits by what
             # a draft costs, as fitted (a probe's own time: observe_pass).
-            self._space_probes(self.pass_cost(1, context), context)
-        best = reprobe(self, best, limit)
-        if 0 < self.best < limit and self.drafted[best] < DEPTH_EVIDENCE:
+            self.probes.space(self.pass_cost(1, context), self.pass_cost(0, context))
+        best = self.probes.apply(best, limit)
+        if 0 < self.best < limit and self.drafted[best] < TUNING.depth_evidence:
             # A depth probe: the next position is barely tested (its estimate
             # may be stale), likely reached, and one more draft looks nearly
             # as good.
             reach = math.prod(self.acceptance()[:best])
-            near = speeds[best + 1] >= (1 - DEPTH_MARGIN) * speeds[best]
-            best += reach >= DEPTH_REACH and near
-        if best and self._fit_A[0][0] and self._plain_weight < _PLAIN_PROBE_WEIGHT:
-            best, self.probing = 0, False  # a cost probe: what a plain pass takes now
+            near = speeds[best + 1] >= (1 - TUNING.depth_margin) * speeds[best]
+            best += reach >= TUNING.depth_reach and near
+        if (
+            best
+            and self._fit_A[0][0]
+            and self._plain_weight < TUNING.plain_probe_weight
+        ):
+            best, self.probes.probing = 0, False  # a cost probe: a plain pass now
         if self.group is not None:
             best = from_rank0(self.group, best)
         self.last_choice = best
@@ -272,7 +307,7 @@ class DraftLengthPolicy:
         too (said before it is chosen): drafting did not pay at the last
         choice and no probe is due. A plain pass may then be queued while
         this one runs (see ``SpeculativeDecoder.verify``)."""
-        return self.best == 0 and self.passes_at_zero + 1 < self.probe_every
+        return self.best == 0 and self.probes.plain_next()
 
     def update(
         self, n_drafted: int, n_accepted: int, draft_seconds: Optional[float] = None
@@ -280,21 +315,19 @@ class DraftLengthPolicy:
         """Record a verify pass: ``n_accepted`` of ``n_drafted`` drafts kept."""
         if n_drafted == 0:
             return
-        if self.probing:  # back off while probes keep failing
-            self.probing = False
-            longer = min(max(2 * self.probe_every, PROBE_EVERY), MAX_PROBE_EVERY)
-            streak = self.drafted[0] + 1 < PROBE_STREAK_EVIDENCE
-            self.probe_every = (1 if streak else PROBE_EVERY) if n_accepted else longer
+        if self.probes.probing:
+            self.probes.probed(n_accepted > 0, self.drafted[0])
         for i in range(self.max_draft):
-            self.accepted[i] *= _DECAY
-            self.drafted[i] *= _DECAY
+            self.accepted[i] *= TUNING.acceptance_decay
+            self.drafted[i] *= TUNING.acceptance_decay
         # Position i was tested only if drafts 0..i-1 were all accepted.
         for i in range(min(n_accepted + 1, n_drafted, self.max_draft)):
             self.drafted[i] += 1
             self.accepted[i] += i < n_accepted
         if draft_seconds is not None:
             per_token = draft_seconds / n_drafted
-            self.draft_cost = 0.8 * self.draft_cost + 0.2 * per_token
+            w = TUNING.draft_cost_update
+            self.draft_cost = (1 - w) * self.draft_cost + w * per_token
             self._fitted = None
 
     def observe_hindsight(self, hits: int, trials: int):
@@ -304,9 +337,10 @@ class DraftLengthPolicy:
         probe: the next one waits ``probe_every`` passes at k = 0 again."""
         if trials <= 0:
             return
-        self.passes_at_zero = 0
-        decay = _DECAY**trials
-        weight = (1 - decay) / (1 - _DECAY)  # sum of the trials' decayed weights
+        self.probes.restart()
+        decay = TUNING.acceptance_decay**trials
+        # the sum of the trials' decayed weights
+        weight = (1 - decay) / (1 - TUNING.acceptance_decay)
         self.accepted[0] = self.accepted[0] * decay + weight * hits / trials
         self.drafted[0] = self.drafted[0] * decay + weight
 
@@ -319,24 +353,23 @@ class DraftLengthPolicy:
         if n_drafted not in self._warm:  # the first pass of a shape pays warm-up
             self._warm.add(n_drafted)
             return
-        if n_drafted and self.best == 0 and self.probe_every > 1:
-            self._space_probes(seconds, context)  # what this probe took
-        self._plain_weight = _COST_DECAY * self._plain_weight + (n_drafted == 0)
+        self.profile.observe(n_drafted, context, seconds)
+        if self.profile.version != self._profile_version:
+            # The profile was corrected (by this pass or another source's):
+            # residuals fitted against the old one would price it twice.
+            self._profile_version = self.profile.version
+            self._fit_A, self._fit_b = [[0.0] * 3 for _ in range(3)], [0.0] * 3
+            self._counted.clear()
+        if n_drafted and self.best == 0:  # what this probe took
+            self.probes.space(seconds, self.pass_cost(0, context))
+        self._plain_weight = TUNING.cost_decay * self._plain_weight + (n_drafted == 0)
         expected = self.pass_cost(n_drafted, context)
         seconds = counted_seconds(self._counted, n_drafted, seconds, expected)
         k, r = n_drafted, seconds - self.verify_cost(n_drafted, context)
         x = [1.0, float(k > 0), float(k)]
-        self._fit_A = decayed(self._fit_A, outer(x), _COST_DECAY)
-        self._fit_b = decayed(self._fit_b, [a * r for a in x], _COST_DECAY)
+        self._fit_A = decayed(self._fit_A, outer(x), TUNING.cost_decay)
+        self._fit_b = decayed(self._fit_b, [a * r for a in x], TUNING.cost_decay)
         self._fitted = None
-
-    def _space_probes(self, seconds: float, context: int):
-        """A probe (not one of a streak) takes ``seconds``: wait long enough
-        before the next for probes to cost at most ``PROBE_BUDGET`` of the
-        plain passes between them."""
-        plain = self.pass_cost(0, context)
-        wait = math.ceil((seconds - plain) / (PROBE_BUDGET * plain))
-        self.probe_every = min(max(self.probe_every, wait), MAX_PROBE_EVERY)
 
 
 class SourcePolicies:

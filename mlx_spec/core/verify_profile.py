@@ -2,8 +2,10 @@
 tokens takes on this machine, after a short and a long context (see
 :func:`long_context`), and what one step of the model's MTP head takes.
 
-Measured once per machine, MLX version, BLAS and model, kept for the process
-and on disk (:func:`profile_cache_file`), so later runs skip it.
+Measured once per machine, MLX version, BLAS and model (the minimum of a few
+rounds), kept for the process and on disk (:func:`profile_cache_file`), so
+later runs skip it; :func:`cost_profile` corrects it there from the passes
+``auto`` times (see :mod:`~mlx_spec.core.cost_profile`).
 """
 
 import hashlib
@@ -20,16 +22,19 @@ import mlx.core as mx
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
 from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
 from ..models.fingerprint import model_fingerprint
+from .cost_profile import SHORT_CONTEXT, CostProfile
+from .policy_tuning import TUNING
 
-# Context lengths (tokens before a pass) the verify costs are measured at: a
-# short one, and a long one far enough from it for the growth with context to
-# stand out of a busy machine's noise (see long_context).
-SHORT_CONTEXT, LONG_CONTEXT, PREFILLED_LONG_CONTEXT = 32, 8224, 1056
+# Context lengths (tokens before a pass) the long verify costs are measured
+# at: far enough from SHORT_CONTEXT for the growth with context to stand out
+# of a busy machine's noise (see long_context).
+LONG_CONTEXT, PREFILLED_LONG_CONTEXT = 8224, 1056
 SEED_TOKENS = 32  # tokens run through the model before a long scratch context
 
 CACHE_DIR_ENV = "MLX_SPEC_CACHE_DIR"  # default: ~/.cache/mlx_spec
 
-_profiles: Dict[tuple, List[float]] = {}  # (id(model), context) -> costs
+# (id(model), context) -> costs; ("cost profile", id(model)) -> CostProfile
+_profiles: Dict[tuple, object] = {}
 
 
 def verify_cost_profile(
@@ -110,11 +115,8 @@ def long_context(model) -> int:
     8k tokens would make a first run wait long on a CPU). At 1,056 tokens the
     growth with context was lost in the noise of a busy machine: a 4-token
     pass after 16k tokens was priced at 30 ms and took 46 (demo model, CPU)."""
-    return (
-        LONG_CONTEXT
-        if _written_directly(make_prompt_cache(model))
-        else PREFILLED_LONG_CONTEXT
-    )
+    direct = TUNING.long_profile and _written_directly(make_prompt_cache(model))
+    return LONG_CONTEXT if direct else PREFILLED_LONG_CONTEXT
 
 
 def verify_cost_profiles(model) -> Tuple[List[float], Tuple[int, List[float]]]:
@@ -122,6 +124,28 @@ def verify_cost_profiles(model) -> Tuple[List[float], Tuple[int, List[float]]]:
     length with its profile (measured or cached)."""
     long = long_context(model)
     return verify_cost_profile(model), (long, verify_cost_profile(model, context=long))
+
+
+def cost_profile(model) -> CostProfile:
+    """``model``'s :class:`CostProfile`, one per process: the short and long
+    profiles (measured or stored), corrected in place by the passes ``auto``
+    times and then written back to disk."""
+    long = long_context(model)
+    key = ("cost profile", id(model), long)
+    if key not in _profiles:
+        verify_cost_profiles(model)
+        short, long_costs = (
+            _profiles[(id(model), SHORT_CONTEXT)],
+            _profiles[(id(model), long)],
+        )
+        n = len(short)
+        keys = _profile_key(model, n, SHORT_CONTEXT), _profile_key(model, n, long)
+
+        def store(short_costs, long_profile):
+            _write_profiles({keys[0]: short_costs, keys[1]: long_profile[1]})
+
+        _profiles[key] = CostProfile(short, (long, long_costs), store)
+    return _profiles[key]
 
 
 def measure_verify_costs(
@@ -227,6 +251,11 @@ def _read_profile(key: str, max_tokens: int) -> Optional[List[float]]:
 def _write_profile(key: str, costs: List[float]):
     """Store the profile (atomic replace); a cache that cannot be written is
     only a cost: the profile is measured again next time."""
+    _write_profiles({key: costs})
+
+
+def _write_profiles(updates: Dict[str, List[float]]):
+    """Store several profiles at once (see :func:`_write_profile`)."""
     path = profile_cache_file()
     try:
         profiles = json.loads(path.read_text())
@@ -234,7 +263,7 @@ def _write_profile(key: str, costs: List[float]):
             profiles = {}
     except (OSError, ValueError):
         profiles = {}
-    profiles[key] = costs
+    profiles.update({key: list(costs) for key, costs in updates.items()})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(

@@ -1,0 +1,140 @@
+"""The verify-cost profile as ``auto`` uses it, corrected by the passes it times.
+
+A profile is measured once per machine and kept on disk (see
+:mod:`~mlx_spec.core.verify_profile`). One measured while the machine was
+busy would otherwise price every later run: a one-token pass at twice its
+quiet cost and nine tokens at 3.7 times that made ``auto`` draft 1.4-1.9
+tokens a pass where a fresh profile drafted 2.1-5.3. So every fairly timed
+pass is compared with what the profile says its verify forward costs, and
+where the last few passes of one length keep disagreeing, the profile moves
+to what they show (and is written back).
+
+The profile is the fastest each forward has been seen to run here: the
+minimum of a few measured rounds, lowered where a timed pass ran faster. A
+pass takes its verify forward *plus* drafting and host work, so the second
+fastest of the last ``heal_window`` passes of ``T`` tokens (one mis-timed
+pass cannot move it) bounds the forward over ``T`` tokens from above,
+whatever the pass drafted; a profile dearer than that by more than
+``heal_down`` is lowered to it. A pass dearer than the profile
+is not attributed to its forward (host work, head steps, a busy moment): the
+policy's online fit prices that, per generation. A length that was never
+timed moves with the nearest lengths that were (a busy moment slows every
+length), so a profile that made drafting look dear lets drafting start, and
+the lengths it then drafts are corrected in turn.
+"""
+
+import threading
+from collections import deque
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .policy_tuning import TUNING
+
+SHORT_CONTEXT = 32  # tokens of context the short profile is measured after
+
+
+class CostProfile:
+    """Seconds of a target forward over ``T = 1..n`` tokens (index 0 is
+    ``T = 1``) after ``SHORT_CONTEXT`` tokens, and optionally after a longer
+    context (``long``: (its length, its costs)), interpolated linearly in the
+    context between the two.
+
+    ``store``: called with (short, long) after a correction, to keep it
+    (None: kept for this object only). ``version`` counts corrections, so a
+    fit over residuals from the old costs knows to start again."""
+
+    def __init__(
+        self,
+        short: List[float],
+        long: Optional[Tuple[int, List[float]]] = None,
+        store: Optional[Callable] = None,
+    ):
+        self.short = short  # shared with the process's cache: corrected in place
+        self.long = long
+        self._store = store
+        self._measured = [list(short), list(long[1]) if long else None]
+        self._scale = [1.0] * len(short)  # corrected / measured, per T
+        self._healed: set = set()  # T - 1 of lengths corrected from passes
+        self._recent: Dict[int, deque] = {}  # T - 1 -> recent pass / profile ratios
+        self.version = 0
+        self._lock = threading.Lock()  # generations in threads share one profile
+
+    def __len__(self) -> int:
+        return len(self.short)
+
+    def verify_cost(self, k: int, context: int = SHORT_CONTEXT) -> float:
+        """Seconds of a verify forward over ``1 + k`` tokens after ``context``."""
+        base = self.short[k]
+        if self.long is None:
+            return base
+        c1, long = self.long
+        slope = max(long[k] - base, 0.0) / (c1 - SHORT_CONTEXT)
+        return base + slope * max(context - SHORT_CONTEXT, 0)
+
+    def observe(self, k: int, context: int, seconds: float) -> bool:
+        """A fairly timed pass with ``k`` drafts after ``context`` tokens took
+        ``seconds``; True when it corrected the profile."""
+        with self._lock:
+            return self._observe(k, context, seconds)
+
+    def _observe(self, k: int, context: int, seconds: float) -> bool:
+        window = TUNING.heal_window
+        if window <= 0 or not 0 <= k < len(self.short):
+            return False
+        recent = self._recent.setdefault(k, deque(maxlen=window))
+        if recent.maxlen != window:  # the tuning changed
+            recent = self._recent[k] = deque(recent, maxlen=window)
+        recent.append(seconds / self.verify_cost(k, context))
+        if len(recent) < window:
+            return False
+        fast = sorted(recent)[min(1, window - 1)]  # one mis-timed pass is not news
+        if fast >= 1 - TUNING.heal_down:
+            return False
+        self._correct(k, fast)
+        return True
+
+    def _correct(self, k: int, ratio: float):
+        """Scale length ``k``'s costs by ``ratio``; lengths never corrected
+        take the scale of the corrected lengths around them."""
+        before = self._scale[:]
+        self._scale[k] *= ratio
+        self._healed.add(k)
+        healed = sorted(self._healed)
+        for j in range(len(self._scale)):
+            if j in self._healed:
+                continue
+            below = [h for h in healed if h < j]
+            above = [h for h in healed if h > j]
+            if below and above:
+                lo, hi = below[-1], above[0]
+                w = (j - lo) / (hi - lo)
+                self._scale[j] = (1 - w) * self._scale[lo] + w * self._scale[hi]
+            else:
+                self._scale[j] = self._scale[(below or above)[-1 if below else 0]]
+        self.short[:] = _rising([c * s for c, s in zip(self._measured[0], self._scale)])
+        if self.long is not None:
+            long = [c * s for c, s in zip(self._measured[1], self._scale)]
+            self.long[1][:] = _rising(long)
+        for j, recent in self._recent.items():  # ratios to the new costs
+            rescaled = [r * before[j] / self._scale[j] for r in recent]
+            recent.clear()
+            if j != k:  # the corrected length's window starts again
+                recent.extend(rescaled)
+        self.version += 1
+        if self._store is not None:
+            self._store(self.short, self.long)
+
+
+def _rising(costs: List[float]) -> List[float]:
+    """``costs`` made non-decreasing in T (a longer forward never costs less)."""
+    out: List[float] = []
+    for c in costs:
+        out.append(max(c, out[-1] if out else 0.0))
+    return out
+
+
+def as_cost_profile(costs, long: Optional[Tuple[int, List[float]]] = None):
+    """``costs`` as a :class:`CostProfile`: itself, or a list of seconds
+    (with ``long``) kept for the new object only."""
+    if isinstance(costs, CostProfile):
+        return costs
+    return CostProfile(list(costs), (long[0], list(long[1])) if long else None)

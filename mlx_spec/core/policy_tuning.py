@@ -1,0 +1,94 @@
+"""Every tuning constant of ``--num-draft-tokens auto``, with why it is what it is.
+
+One mutable instance, :data:`TUNING`, is read by the policies at each use, so
+an experiment (``scripts/bench_switch.py``) switches a mechanism off by
+setting a field, not by patching module globals. Evidence for each mechanism
+(an A/B where there is one) is in ``docs/auto_policy.md``.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PolicyTuning:
+    # -- acceptance per draft position (one sequence's policy) --
+    # Acceptance before any evidence: low enough that a first draft is tried
+    # only where a probe or a judgement finds it accepted.
+    prior_acceptance: float = 0.3
+    # ... worth this many passes, so two passes of evidence outweigh it.
+    prior_weight: float = 2.0
+    # Forgetting per pass: acceptance drifts with the content generated.
+    acceptance_decay: float = 0.97
+
+    # -- the online fit of what a pass costs beyond its verify forward --
+    # Forgetting per pass of the fit: the machine's load drifts too.
+    cost_decay: float = 0.95
+    # A pass counts as at most this many times what the fit expected, once a
+    # pass of its length was counted: two stalled 85-100 ms passes among 20 ms
+    # ones once made drafts look free (8 drafted); a lasting slowdown raises
+    # the bound with the fit.
+    stall_bound: float = 1.5
+    # Pull of the per-draft cost towards the host-timed drafting cost, in
+    # one-draft passes' worth: one or two lengths cannot tell it from the
+    # fixed cost of drafting at all.
+    slope_prior_weight: float = 0.5
+    # Far weaker pull of that fixed cost towards 0, so a first draft's extra
+    # cost is taken as fixed and a longer draft still gets tried and timed.
+    fixed_prior_weight: float = 0.05
+    # While drafting, a plain pass is run once the last one's decayed weight
+    # falls below this (about every 28 passes): the cost line is anchored at
+    # k = 0 rather than extrapolated to it.
+    plain_probe_weight: float = 0.25
+    # Weight of a new host-timed drafting cost in its moving average.
+    draft_cost_update: float = 0.2
+
+    # -- exploration: probes at k = 0, depth probes while drafting --
+    # Plain passes before a one-draft probe: a drafter that became useful is
+    # noticed within a few dozen tokens.
+    probe_every: int = 16
+    # Each rejected probe doubles the wait up to this: a probe of the MTP head
+    # costs its catch-up over every deferred row.
+    max_probe_every: int = 128
+    # An accepted probe is followed by another at once while the first
+    # position has less than this decayed evidence (re-learn in a few passes).
+    probe_streak_evidence: float = 4.0
+    # Probes never cost more than this share of the plain passes between them
+    # (a head probe at 4k context costs about two plain passes: one in ~70).
+    probe_budget: float = 0.03
+    # A depth probe (one draft more than the best) while the next position
+    # has fewer decayed trials than this ...
+    depth_evidence: float = 4.0
+    # ... is reached with at least this probability ...
+    depth_reach: float = 0.5
+    # ... and its expected speed is within this share of the best's: an old
+    # failure otherwise keeps drafts a token shorter than pays.
+    depth_margin: float = 0.1
+
+    # -- the cost profile healing itself from timed passes --
+    # Passes of one length compared with the profile before it is corrected
+    # (0: never corrected); their fastest is what the length is set to.
+    heal_window: int = 8
+    # Lower a length's cost when even its fastest recent pass beat it by more
+    # than this share (a pass is its forward and more, so it is never cheaper
+    # than the forward but for a few per cent of graph building it overlaps);
+    # a busy profile was 2x too dear at T = 1, 2.7x at T = 9.
+    heal_down: float = 0.1
+
+    # Measure the long profile after LONG_CONTEXT tokens where the caches can
+    # be written without a prefill (False: after PREFILLED_LONG_CONTEXT, where
+    # a 4-token pass at 16k was priced at 30 ms and took 46).
+    long_profile: bool = True
+
+    # -- a batch's shared draft length (batch_policy.PassLength) --
+    # Forgetting per pass of the batch's cost fit.
+    batch_decay: float = 0.95
+    # The single-sequence profile counts as this many passes at first ...
+    batch_prior_weight: float = 4.0
+    # ... and never as fewer than this: passes of one shape alone let noise
+    # fit a negative constant and a steep slope under which nothing paid.
+    batch_prior_floor: float = 0.1
+    # What stays of the pull of the head-step cost towards 0 per pass.
+    batch_gamma_pull: float = 0.1
+
+
+TUNING = PolicyTuning()
