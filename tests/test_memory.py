@@ -3,9 +3,10 @@
 MLX is lazy: an array that is written into every pass but never evaluated
 keeps the graph of every earlier pass (and its buffers) alive. These tests
 read MLX's active memory every 100 tokens of a long run, less what the KV
-caches hold (target and MTP head), and bound its growth per token (the
-Theil-Sen slope of the readings): at most plain mlx-lm decoding's own slope
-on the same model, measured in the same session, plus ``PER_TOKEN_LIMIT``.
+caches hold (target and MTP head), and bound its growth per token (a
+robust slope of the readings, ``growth_per_token``): at most plain mlx-lm
+decoding's own slope on the same model, measured in the same session, plus
+``PER_TOKEN_LIMIT``.
 A one-off step of the allocator (up to 0.5 MB seen) barely moves the slope;
 a leak of 256 bytes per token moves it by 256, which
 ``test_an_injected_leak_is_caught`` shows.

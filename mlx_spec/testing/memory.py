@@ -67,12 +67,19 @@ def memory_readings(
 
 
 def growth_per_token(marks: Sequence[int], readings: Sequence[int]) -> float:
-    """Bytes per token that ``readings`` (taken at ``marks`` tokens) grow by:
-    the median of the slopes between every two readings (Theil-Sen), which a
-    steady leak moves by its rate while a one-off step (the allocator taking
-    a new block) moves few of them."""
+    """Bytes per token that ``readings`` (taken at ``marks`` tokens) grow by,
+    as two robust estimates agree: the lower of the median slope between
+    every two readings (Theil-Sen: steady under a sawtooth) and the median
+    slope between neighbours (steady under a one-off step, such as the
+    allocator taking a new block mid-run). A steady leak raises both by its
+    rate; a step or a sawtooth raises at most one of them."""
     if len(marks) != len(readings) or len(marks) < 3:
         raise ValueError("need a reading at each of at least three marks")
+
+    def slope(i, j):
+        return (readings[j] - readings[i]) / (marks[j] - marks[i])
+
     pairs = itertools.combinations(range(len(marks)), 2)
-    slopes = [(readings[j] - readings[i]) / (marks[j] - marks[i]) for i, j in pairs]
-    return float(np.median(slopes))
+    every_two = np.median([slope(i, j) for i, j in pairs])
+    neighbours = np.median([slope(i, i + 1) for i in range(len(marks) - 1)])
+    return float(min(every_two, neighbours))
