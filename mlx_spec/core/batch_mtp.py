@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
+from ..drafters.contract import HeadBased
 from ..drafters.mtp import PENDING_ROWS, MTPDrafter
 from .ragged_cache import RaggedKVCache
 
@@ -44,11 +45,9 @@ DEFERRED_ROWS = 512
 
 
 def head_drafter(drafter) -> Optional[MTPDrafter]:
-    """The :class:`MTPDrafter` in ``drafter`` (itself, or ``mtp+ngram``'s)."""
-    if isinstance(drafter, MTPDrafter):
-        return drafter
-    inner = getattr(drafter, "mtp", None)
-    return inner if isinstance(inner, MTPDrafter) else None
+    """The :class:`MTPDrafter` of a head-based ``drafter`` (itself, or
+    ``mtp+ngram``'s); None for one that drafts without the head."""
+    return drafter.head_drafter if isinstance(drafter, HeadBased) else None
 
 
 class MTPBatch:

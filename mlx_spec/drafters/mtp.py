@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .base import MAX_MTP_DRAFT_TOKENS, Drafter, OneDraftWalk, as_list
+from .base import MAX_MTP_DRAFT_TOKENS, Drafter, OneDraftWalk, as_list, host_draft
 from .deferred import DeferredRows
 
 PREFILL_CHUNK = 2048  # prompt rows per head forward (full attention)
@@ -87,7 +87,7 @@ class MTPDrafter(Drafter):
     def samples(self) -> bool:
         """Whether ``choose`` samples its drafts (greedy ones are judged in
         hindsight)."""
-        return getattr(self.choose, "samples", self.choose is not None)
+        return self.choose is not None and self.choose.samples
 
     @property
     def offset(self) -> int:
@@ -282,20 +282,22 @@ class MTPDrafter(Drafter):
         """Up to ``k`` (1..8) greedy tokens after the pending token."""
         return as_list(self, self.draft_tokens(k))
 
-    def draft_tokens(self, k: int):
+    def draft_tokens(self, k: int) -> mx.array:
         """:meth:`draft` without a host synchronisation: the tokens [k] as a
         lazy array (the verify pass evaluates them with its own outputs;
-        also a draft a batch computed), or an empty list (nothing to draft)."""
+        also a draft a batch computed), or [0] (nothing to draft)."""
         self.check_draft_length(k)
         if self._draft_rows:
             raise RuntimeError("draft() called twice without accept()")
         if self._offered is not None:
+            self.drafted_on_device = True
             return self._take_offer(k)
         self.draft_probs = None
         self._run_pending()
+        self.drafted_on_device = self._logits is not None
         if self._logits is None:
             self.last_draft_logits = None
-            return []
+            return host_draft([])
         logits, hm = self._logits, self._hm
         rows, tokens, probs = [], [], []
         for step in range(k):
@@ -339,6 +341,11 @@ class MTPDrafter(Drafter):
 
     # -- drafting in a batch (mlx_spec.core.batch_mtp runs several heads' rows
     # as one forward; these hand it the row's state and take its results) ----
+    @property
+    def head_drafter(self) -> "MTPDrafter":
+        """The head's drafting part: this drafter (``contract.HeadBased``)."""
+        return self
+
     def needs_head_state(self, k: int) -> bool:
         """Whether ``draft(k)`` looks at the head's state: always."""
         return True
