@@ -72,7 +72,7 @@ def time_step(layer, cache, x, n):
     cache.capturing = n is not None
     mx.eval(layer(x, cache=cache), cache.cache)
     if n is not None:
-        cache.commit(n)
+        cache.commit([n])
         mx.eval(cache.cache)
     return time.perf_counter() - tic
 

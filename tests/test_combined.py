@@ -10,6 +10,7 @@ class FakeHead:
     ``draft_tokens`` is what costs head forwards."""
 
     choose, samples = None, False
+    last_draft_logits = draft_probs = None
 
     def __init__(self, vocab=16):
         self.vocab, self.d1, self.drafts, self.looked = vocab, 0, 0, 0
@@ -25,7 +26,7 @@ class FakeHead:
 
     def draft_tokens(self, k):
         self.drafts += 1
-        return [self.d1] * k
+        return mx.array([self.d1] * k, mx.uint32)  # the engine's draft type
 
     def check_draft_length(self, k):
         pass

@@ -49,7 +49,7 @@ def test_own_forward_equals_mlx_lm_forward(models, family, T, capturing, monkeyp
     ours.capturing = capturing
     got = layer(x, None, ours)
     if capturing:
-        ours.commit(T)
+        ours.commit([T])
     K, C = layer.conv_kernel_size, layer.conv_dim
     assert convs == [(1, K - 1 + 6, C), (1, K - 1 + T, C)]
     assert mx.array_equal(got, want)

@@ -136,7 +136,7 @@ def test_mtp_cache_matches_fresh_recompute(models, family):
         values[..., :P, :], cache[0].values[..., :P, :], atol=5e-3
     ).item()
     fresh = model.mtp_head.logits(hm[:, -1:])[0, 0]
-    assert mx.allclose(drafter._logits, fresh, rtol=1e-3, atol=1e-3).item()
+    assert mx.allclose(drafter.rows.logits, fresh, rtol=1e-3, atol=1e-3).item()
 
 
 def test_cache_stores_float16_only_where_the_kernel_reads_it(models, monkeypatch):
@@ -304,7 +304,7 @@ def test_a_drafting_pass_own_tokens_are_not_judged(tmp_path, monkeypatch):
     reached through accepted drafts: no sample of a pass's first draft. Every
     pass drafting, nothing is judged; the same text decoded without drafts
     is (the control)."""
-    import mlx_spec.drafters.mtp as mtp
+    import mlx_spec.drafters.mtp_rows as mtp
 
     monkeypatch.setattr(mtp, "JUDGED_PROMPT_ROWS", 0)  # the accepted rows only
     path = write_cycle_checkpoint(tmp_path / "c", "qwen3_next", mtp_noise=2.0)

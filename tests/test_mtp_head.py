@@ -4,7 +4,7 @@ keys and values."""
 import mlx.core as mx
 import pytest
 
-from mlx_spec.drafters import mtp as mtp_module
+from mlx_spec.drafters import mtp_rows as mtp_module  # the head rows' chunking
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.models.mtp.head import MTPDecoderLayer
 from mlx_spec.testing.checkpoints import FAMILIES

@@ -12,9 +12,10 @@ from mlx_spec.core.ragged_cache import RaggedKVCache
 from mlx_spec.core.sampling import make_sampler
 from mlx_spec.core.snapshot import capture
 from mlx_spec.core.stats import SpecStats
-from mlx_spec.drafters import mtp as mtp_module
+from mlx_spec.drafters import mtp_rows as mtp_module  # the head rows' chunking
 from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
+from mlx_spec.drafters.mtp_rows import HeadRows
 from mlx_spec.generate import stream_generate
 from mlx_spec.models.fast_layers import _stored_rows
 from mlx_spec.models.mtp import MTPKVCache
@@ -208,7 +209,7 @@ def test_a_windowed_prefill_skips_the_rows_no_later_row_sees(models, monkeypatch
     assert not mx.any(skipping.cache[0].keys[..., :26, :]).item()  # zeros
 
     every_chunk = list(range(0, 37, 6))
-    monkeypatch.setattr(MTPDrafter, "_seen_chunks", lambda d, n: every_chunk)
+    monkeypatch.setattr(HeadRows, "seen_chunks", lambda r, n: every_chunk)
     every, want_logits, want_draft = _prefilled(head, prompt, hidden)
     assert mx.array_equal(logits[0], want_logits[0]).item() and draft == want_draft
     assert logits[1] == want_logits[1] and logits[1][1] == 3  # 4 rows judged
@@ -216,7 +217,7 @@ def test_a_windowed_prefill_skips_the_rows_no_later_row_sees(models, monkeypatch
         assert mx.array_equal(got.keys[..., 30:36, :], want.keys[..., 30:36, :]).item()
 
     # the last chunk's first row, which row 35 sees, blanked too
-    monkeypatch.setattr(MTPDrafter, "_seen_chunks", lambda d, n: [31, 36])
+    monkeypatch.setattr(HeadRows, "seen_chunks", lambda r, n: [31, 36])
     _, short_logits, _ = _prefilled(head, prompt, hidden)
     assert not mx.array_equal(short_logits[0], want_logits[0]).item()
 

@@ -33,18 +33,17 @@ from typing import Collection, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..models.gdn import make_verifiable
 from ..models.packed import pack_positions
 from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
 from .batch_policy import PassLength, draft_lengths, expected_tokens
-from .decode import SpeculativeDecoder
+from .decode import NO_DRAFT, SpeculativeDecoder
 from .policy import SourcePolicies, policies_by_source
 from .verify_profile import head_step_cost, verify_cost_profile
 from .ragged_cache import RaggedKVCache
 from .row_guard import RowFailed, RowGuard
 from .sampling import make_draft_sampler, make_sampler, scored_logprobs
-from .state import GDNSlotCache
+from .state import GDNSlotCache, verifiable_gdn_layers
 from .target import Target, queue_after
 from .verify import verify_draft
 
@@ -74,9 +73,8 @@ class BatchDecoder:
         self.caches, self.gdn, self.attention = [], [], []
         self.group = pipeline_group(model)
         pipelined = self.group is not None
-        for layer in model.layers:
-            gdn = getattr(layer, "linear_attn", None)
-            if gdn is not None and make_verifiable(gdn):
+        for gdn in verifiable_gdn_layers(model):
+            if gdn:
                 c = GDNSlotCache(max_draft + 1, rollback, pipelined=pipelined)
                 self.gdn.append(c)
             else:
@@ -215,11 +213,12 @@ class BatchDecoder:
         if self.heads is not None:  # head rows first, all at once
             drafting = [(self.rows[b].decoder.drafter, k) for b, k in ks.items()]
             head_steps, catch_up = self.heads.draft_rows(drafting)
-        drafts, seconds = {}, {}  # seconds: None for a lazy draft (not host work)
+        drafts, seconds = {}, {}  # b -> [m] draft; None: made on the device
         for b in active:
             drafts[b], seconds[b] = self._draft(self.rows[b], ks[b])
-        if not self._copies_pay(drafts):
-            drafts = dict.fromkeys(active, [])
+        on_device = {b for b in active if seconds[b] is None}  # heads' drafts
+        if not self._copies_pay(drafts, on_device):
+            drafts = dict.fromkeys(active, NO_DRAFT)
         T = 1 + max(len(d) for d in drafts.values())
         B = len(self.rows)
         lengths = [0] * B
@@ -232,7 +231,7 @@ class BatchDecoder:
                 c.set_row_lengths(lengths if ragged else None)
         with self.positions.ragged(lengths if ragged else None, T):
             logits, hidden = queued or self.target.forward_rows(
-                self._pass_inputs(drafts, T), self.positions
+                self._pass_inputs(drafts, seconds, T), self.positions
             )
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, T, V]
         ahead = queue_ahead and self._plain_ahead(active, T)
@@ -253,7 +252,7 @@ class BatchDecoder:
                 continue
             if plain is not None:  # sampled as verify_draft samples a plain pass
                 n, token = 0, plain[b]
-            draft = draft.tolist() if isinstance(draft, mx.array) else draft
+            draft = draft.tolist()
             emitted = self._truncate(row, draft[:n] + [token])
             row.seen.extend(emitted)  # in place: the draft sampler reads it
             j = len(emitted)
@@ -283,15 +282,17 @@ class BatchDecoder:
             raise RowFailed(row.guard.error)
         scores = logprobs
         if row.processors:
-            draft = draft.tolist() if isinstance(draft, mx.array) else draft
-            scores = scored_logprobs(logits, row.seen, draft, row.processors)
+            drafted = draft.tolist()  # processors see host token lists
+            scores = scored_logprobs(logits, row.seen, drafted, row.processors)
         if plain is not None:
             return 0, None, scores
         q = row.decoder.drafter.draft_probs if len(draft) else None
         n, token = verify_draft(draft, scores, row.sampler, q)
         return n, token, scores
 
-    def _copies_pay(self, drafts: Dict[int, list]) -> bool:
+    def _copies_pay(
+        self, drafts: Dict[int, mx.array], on_device: Collection[int] = ()
+    ) -> bool:
         """Whether the copies the ``auto`` rows found are worth their pass
         (by the batch's cost model) against a plain one. The length was
         chosen from each row's acceptance, which counts only the drafts a row
@@ -309,7 +310,7 @@ class BatchDecoder:
         tokens = 0.0
         for b, draft in drafts.items():
             row = self.rows[b]
-            if len(draft) and (row.policy is None or isinstance(draft, mx.array)):
+            if len(draft) and (row.policy is None or b in on_device):
                 return True
             acceptance = row.policy.active.acceptance() if row.policy else []
             tokens += expected_tokens(acceptance, len(draft))
@@ -322,7 +323,7 @@ class BatchDecoder:
         for c in self.attention:
             c.trim_rows([T - k for k in kept])
         for c in self.gdn:
-            c.commit(kept[0] if len(kept) == 1 else kept)
+            c.commit(kept)
             c.set_row_lengths(None)
 
     def _plain_ahead(self, active: List[int], T: int) -> bool:
@@ -375,32 +376,35 @@ class BatchDecoder:
             self._queued = None
             self._commit_caches([0] * len(self.rows), 1)
 
-    def _draft(self, row: _Row, k: int) -> Tuple[list, Optional[float]]:
-        """The row's draft of up to ``k`` tokens (a list, or a lazy array
-        drafted on the device) and the seconds drafting took on the host
-        (deferred drafter work excluded, as for one sequence; None for a lazy
-        draft, whose work no host timer sees)."""
+    def _draft(self, row: _Row, k: int) -> Tuple[mx.array, Optional[float]]:
+        """The row's draft of up to ``k`` tokens ([m], lazy where drafted on
+        the device) and the seconds drafting took on the host (deferred
+        drafter work excluded, as for one sequence; None for a draft made on
+        the device, whose work no host timer sees)."""
         d = row.decoder
         if k <= 0:
-            return [], 0.0
+            return NO_DRAFT, 0.0
         if head_drafter(d.drafter) not in (self.heads or ()):
             d.drafter.catch_up()
         tic = time.perf_counter()
         draft = d.next_draft(k)
-        lazy = isinstance(draft, mx.array)
-        return draft, None if lazy else time.perf_counter() - tic
+        on_device = draft.size > 0 and d.drafter.drafted_on_device
+        return draft, None if on_device else time.perf_counter() - tic
 
-    def _pass_inputs(self, drafts: Dict[int, list], T: int) -> mx.array:
-        """[B, T] uint32: each active row's pending token and its draft (a
-        lazy one written in on the device), padded at the end with 0."""
+    def _pass_inputs(
+        self, drafts: Dict[int, mx.array], seconds: Dict[int, Optional[float]], T: int
+    ) -> mx.array:
+        """[B, T] uint32: each active row's pending token and its draft (one
+        made on the device written in on the device), padded at the end
+        with 0."""
         tokens = [[0] * T for _ in self.rows]
         for b, draft in drafts.items():
             tokens[b][0] = self.rows[b].decoder.history[-1]
-            if isinstance(draft, list):
-                tokens[b][1 : 1 + len(draft)] = draft
+            if seconds[b] is not None and draft.size:  # on the host already
+                tokens[b][1 : 1 + draft.size] = draft.tolist()
         inputs = mx.array(tokens, mx.uint32)
         for b, draft in drafts.items():
-            if isinstance(draft, mx.array):
+            if seconds[b] is None and draft.size:
                 inputs[b, 1 : 1 + draft.size] = draft
         return inputs
 

@@ -32,7 +32,9 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..drafters.mtp import PENDING_ROWS, MTPDrafter
+from ..drafters.contract import HeadBased
+from ..drafters.mtp import MTPDrafter
+from ..drafters.mtp_rows import PENDING_ROWS
 from .ragged_cache import RaggedKVCache
 
 # A member's accepted rows deferred at most before the batch runs them anyway
@@ -44,11 +46,9 @@ DEFERRED_ROWS = 512
 
 
 def head_drafter(drafter) -> Optional[MTPDrafter]:
-    """The :class:`MTPDrafter` in ``drafter`` (itself, or ``mtp+ngram``'s)."""
-    if isinstance(drafter, MTPDrafter):
-        return drafter
-    inner = getattr(drafter, "mtp", None)
-    return inner if isinstance(inner, MTPDrafter) else None
+    """The :class:`MTPDrafter` of a head-based ``drafter`` (itself, or
+    ``mtp+ngram``'s); None for one that drafts without the head."""
+    return drafter.head_drafter if isinstance(drafter, HeadBased) else None
 
 
 class MTPBatch:
@@ -65,12 +65,13 @@ class MTPBatch:
 
     def join(self, mtp: MTPDrafter):
         """Move ``mtp``'s head cache in; the batch now runs its head."""
+        rows = mtp.rows  # the head's cache and rows, which the batch now runs
         if not self.caches:
-            self.caches = [RaggedKVCache(c.dtype, c.window) for c in mtp.cache]
-        for mine, theirs in zip(self.caches, mtp.cache):
+            self.caches = [RaggedKVCache(c.dtype, c.window) for c in rows.cache]
+        for mine, theirs in zip(self.caches, rows.cache):
             mine.append_row(theirs)
-        self._own[id(mtp)], mtp.cache = mtp.cache, None  # misuse fails loudly
-        mtp.pending_limit = math.inf  # catch_up bounds the deferred rows
+        self._own[id(mtp)], rows.cache = rows.cache, None  # misuse fails loudly
+        rows.pending_limit = math.inf  # catch_up bounds the deferred rows
         self.members.append(mtp)
 
     def leave(self, mtp: MTPDrafter):
@@ -80,7 +81,7 @@ class MTPBatch:
         for mine, theirs in zip(self.caches, own):
             mine.take_row(b, theirs)
         self.members.pop(b)
-        mtp.cache, mtp.pending_limit = own, PENDING_ROWS
+        mtp.rows.cache, mtp.rows.pending_limit = own, PENDING_ROWS
 
     def _rows(self, wanted: Dict[int, tuple], L: int):
         """Run each member's rows (``wanted``: index -> (tokens [L_b], hidden
@@ -116,7 +117,7 @@ class MTPBatch:
             return 0
         L = max(self.members[b].pending_rows for b in needed)
         wanted = {
-            b: m.take_pending()
+            b: m.rows.take_pending()
             for b, m in enumerate(self.members)
             if 0 < m.pending_rows <= L
         }
@@ -126,7 +127,7 @@ class MTPBatch:
         last = hm[mx.arange(hm.shape[0]), mx.array(index)][:, None]  # [B, 1, H]
         logits = self.head.logits(last)  # [B, 1, V]
         for b, n in lengths.items():
-            self.members[b].set_last_row(last[b : b + 1], logits[b, 0], n)
+            self.members[b].rows.set_last_row(last[b : b + 1], logits[b, 0], n)
         mx.async_eval(logits, last, [(c.keys, c.values) for c in self.caches])
         return hm.shape[0] * hm.shape[1]
 
@@ -157,7 +158,7 @@ class MTPBatch:
         pass takes them as input, so the host builds it while the device still
         drafts, and waits once, for the verdicts."""
         B, K = len(self.members), max(wants.values())
-        states = {b: self.members[b].head_state for b in wants}
+        states = {b: self.members[b].rows.head_state for b in wants}
         hm, logits = next(iter(states.values()))
         rides = (mx.zeros_like(hm), mx.zeros_like(logits))  # rows not drafting
         states = [states.get(b, rides) for b in range(B)]

@@ -6,6 +6,7 @@ from typing import Any, Callable, Collection, Generator, List, Optional, Tuple, 
 import mlx.core as mx
 
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS, as_drafter
+from ..drafters.contract import SelfJudging
 from ..mlx_lm_compat import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 from ..models.pipeline import pipeline_group
 from .policy import make_policy, most_drafts
@@ -14,6 +15,8 @@ from .state import SpeculativeCache
 from .stats import PhaseClock, SpecStats
 from .target import Target, queue_after
 from .verify import verify_draft
+
+NO_DRAFT = mx.array([], mx.uint32)  # [0]: a pass that drafts nothing
 
 
 class SpeculativeDecoder:
@@ -157,36 +160,36 @@ class SpeculativeDecoder:
         clock = clock or PhaseClock(self.stats)
         tic = time.perf_counter()
         took_queued = self._queued is not None
-        draft = [] if took_queued else self.next_draft(k)  # list or lazy array
-        self.drafted = len(draft)
-        lazy = isinstance(draft, mx.array)  # the host timer saw none of its work
-        self.draft_seconds = None if lazy else time.perf_counter() - tic
-        clock.lap("draft", draft if lazy else None)
+        draft = NO_DRAFT if took_queued else self.next_draft(k)  # [m], maybe lazy
+        self.drafted = draft.size
+        # A draft made on the device: the host timer saw none of its work.
+        on_device = draft.size > 0 and self.drafter.drafted_on_device
+        self.draft_seconds = None if on_device else time.perf_counter() - tic
+        clock.lap("draft", draft if on_device else None)
 
         inputs = mx.array(self.history[-1:], mx.uint32)
-        if len(draft):
-            tail = draft if lazy else mx.array(draft, mx.uint32)
-            self.cache.begin(1 + len(draft))
-            logits, hidden = self.target.forward(mx.concatenate([inputs, tail]))
+        if draft.size:
+            self.cache.begin(1 + draft.size)
+            logits, hidden = self.target.forward(mx.concatenate([inputs, draft]))
         else:  # one token: a plain decoding step, nothing to roll back
             logits, hidden = self._queued or self._plain_forward(inputs)
             self._queued = None
         clock.lap("verify", logits, hidden)
-        if processors and isinstance(draft, mx.array):
-            draft = draft.tolist()  # processors see host token lists
         seen = self.history if history is None else history
-        logprobs = scored_logprobs(logits, seen, draft, processors)
-        if queue_plain and not len(draft) and not processors:
+        # processors see host token lists
+        drafted = draft.tolist() if processors and draft.size else []
+        logprobs = scored_logprobs(logits, seen, drafted, processors)
+        if queue_plain and not draft.size and not processors:
             choice = sampler(logprobs)  # [1], lazy
             self._queued = queue_after(
                 choice, logprobs, lambda: self._plain_forward(choice)
             )
             n, token = 0, choice.item()  # the host waits here, the device goes on
         else:
-            q = self.drafter.draft_probs if len(draft) else None
+            q = self.drafter.draft_probs if draft.size else None
             n, token = verify_draft(draft, logprobs, sampler, q)  # one host sync
         clock.lap("sampling")
-        draft = draft.tolist() if isinstance(draft, mx.array) else draft
+        draft = draft.tolist()
         self._verified = (len(draft), n, hidden)
         self.timed_unfairly = took_queued != (self._queued is not None)
         return draft[:n] + [token], logprobs, n
@@ -207,16 +210,17 @@ class SpeculativeDecoder:
 
     def draft_source(self, k: int, look: bool = True):
         """Which of the drafter's sources would draft ``k`` tokens next
-        (None: a one-source drafter); see ``Drafter.draft_source``."""
-        return None if self.drafter is None else self.drafter.draft_source(k, look)
+        (None: a one-source drafter); see ``contract.SelfJudging``."""
+        if not isinstance(self.drafter, SelfJudging):
+            return None
+        return self.drafter.draft_source(k, look)
 
-    def next_draft(self, k: int):
-        """Up to ``k`` drafts for the next pass: a list, or a lazy array
-        where the drafter drafts on the device (no host synchronisation)."""
+    def next_draft(self, k: int) -> mx.array:
+        """Up to ``k`` drafts for the next pass: [m] uint32, lazy where the
+        drafter drafts on the device (no host synchronisation)."""
         if self.drafter is None or k == 0:
-            return []
-        lazy = getattr(self.drafter, "draft_tokens", None)
-        return lazy(k) if lazy is not None else self.drafter.draft(k)
+            return NO_DRAFT
+        return self.drafter.draft_tokens(k)
 
     def commit(
         self,

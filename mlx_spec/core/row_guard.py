@@ -79,5 +79,5 @@ class RowGuard:
                     self.error = e
             return mx.argmax(logits), None
 
-        safe_choose.samples = getattr(choose, "samples", True)
+        safe_choose.samples = choose.samples  # see contract.DraftChooser
         return safe_choose

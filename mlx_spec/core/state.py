@@ -16,16 +16,51 @@ picks a slot; ``"replay"`` keeps the recurrence inputs and re-runs the accepted
 prefix from the pre-verify state (no matmuls).
 """
 
-from typing import Any, List, Optional
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from ..kernels.gated_delta import gated_delta_steps, row_state
+from ..kernels.gated_delta import gated_delta_steps
 from ..mlx_lm_compat import ArraysCache, gated_delta_update, make_prompt_cache
 from ..models.gdn import make_verifiable
 from ..models.pipeline import pipeline_group
 
 ROLLBACK_STRATEGIES = ("store", "replay")
+
+
+def verifiable_gdn_layers(model) -> List[bool]:
+    """Per layer of ``model``, whether it is a Gated-DeltaNet layer whose
+    cache a :class:`GDNSlotCache` rolls back (the others are attention
+    layers, trimmed); one scan for a single sequence's caches and a batch's."""
+    verifiable = []
+    for layer in model.layers:
+        gdn = getattr(layer, "linear_attn", None)
+        verifiable.append(gdn is not None and make_verifiable(gdn))
+    return verifiable
+
+
+class RowStates(NamedTuple):
+    """A GDN recurrent state after one token of a verify pass.
+
+    ``state``: [len(rows), Hv, Dv, Dk] float32, the state of the batch rows
+    ``rows`` (ascending indices); ``rows`` None: every row of the batch (a
+    ragged pass leaves out the rows that held fewer tokens)."""
+
+    rows: Optional[List[int]]
+    state: mx.array
+
+    @classmethod
+    def of(cls, entry) -> "RowStates":
+        """The kernel's per-token entry (an array, or a ``(rows, state)``
+        pair where some rows had ended) as :class:`RowStates`."""
+        if isinstance(entry, tuple):
+            return cls(list(entry[0]), entry[1])
+        return cls(None, entry)
+
+    def row(self, b: int) -> mx.array:
+        """Row ``b``'s state, [1, Hv, Dv, Dk]."""
+        i = b if self.rows is None else self.rows.index(b)
+        return self.state[i : i + 1]
 
 
 class GDNSlotCache(ArraysCache):
@@ -95,9 +130,10 @@ class GDNSlotCache(ArraysCache):
             *gdn_inputs, pre_state, mask, store, self.row_lengths if store else None
         )
         if store:  # states: T per-token states, slot t = after token t
-            final, saved = states[T - 1], states
-            if isinstance(final, tuple):  # no state holds every row: commit
-                shape = (conv_input.shape[0],) + final[1].shape[1:]  # sets each
+            saved = [RowStates.of(entry) for entry in states]  # [T]
+            final = saved[T - 1].state
+            if saved[T - 1].rows is not None:  # no state holds every row: commit
+                shape = (conv_input.shape[0],) + final.shape[1:]  # sets each
                 final = mx.zeros(shape) if pre_state is None else pre_state
         else:
             final, saved = states, (gdn_inputs, mask)
@@ -127,21 +163,20 @@ class GDNSlotCache(ArraysCache):
         self.advance(T)
         return y
 
-    def commit(self, n):
-        """Keep the first ``n`` tokens of the last verify pass (1 <= n <= T);
-        a list: ``n[b]`` tokens of row ``b`` (0: the row as before the pass)."""
+    def commit(self, kept: Sequence[int]):
+        """Keep the first ``kept[b]`` tokens of the last verify pass in row
+        ``b`` (0 <= kept[b] <= T; 0: the row as before the pass)."""
         self.capturing = False
         T, conv_input, pre_state, saved = self._pass
         self._pass = None
-        if not isinstance(n, int) and len(set(n)) == 1 and self._whole(saved, n[0]):
-            n = n[0]  # every row keeps as many: one pick for the batch
-        if isinstance(n, int):
-            if n < T:
+        n = kept[0]
+        if all(k == n for k in kept) and self._whole(saved, n):
+            if n < T:  # every row keeps as many: one pick for the batch
                 self[0], self[1] = self._rows_after(n, conv_input, pre_state, saved)
             return
         rows = [
             self._rows_after(k, conv_input[b : b + 1], pre_state, saved, b)
-            for b, k in enumerate(n)
+            for b, k in enumerate(kept)
         ]
         self[0] = mx.concatenate([conv for conv, _ in rows])
         self[1] = mx.concatenate([state for _, state in rows])
@@ -149,7 +184,7 @@ class GDNSlotCache(ArraysCache):
     def _whole(self, saved, n: int) -> bool:
         """Whether every row's state after ``n`` tokens is one array (a
         ragged pass's rows that ended before are not in it)."""
-        return self.rollback != "store" or n == 0 or not isinstance(saved[n - 1], tuple)
+        return self.rollback != "store" or n == 0 or saved[n - 1].rows is None
 
     def _rows_after(self, n, conv_input, pre_state, saved, row=None):
         """(conv window, recurrent state) after ``n`` tokens, of every row or
@@ -163,7 +198,7 @@ class GDNSlotCache(ArraysCache):
             return conv, pick(pre_state)
         if self.rollback == "store":
             entry = saved[n - 1]
-            return conv, (entry if row is None else row_state(entry, row))
+            return conv, (entry.state if row is None else entry.row(row))
         inputs, mask = saved
         prefix = [pick(x)[:, :n] for x in inputs[:5]] + list(inputs[5:])
         mask = None if mask is None else pick(mask)[:, :n]
@@ -236,9 +271,8 @@ class SpeculativeCache:
         self.gdn: List[GDNSlotCache] = []
         pipelined = pipeline_group(model) is not None
         bad = []
-        for i, (layer, c) in enumerate(zip(model.layers, self.caches)):
-            gdn = getattr(layer, "linear_attn", None)
-            if gdn is not None and make_verifiable(gdn):
+        for i, (gdn, c) in enumerate(zip(verifiable_gdn_layers(model), self.caches)):
+            if gdn:
                 if not isinstance(c, GDNSlotCache):
                     c = GDNSlotCache.wrap(c, max_draft + 1, rollback, pipelined)
                     self.caches[i] = c
@@ -295,4 +329,4 @@ class SpeculativeCache:
                 c.trim(T - n)
         if T > 1:
             for c in self.gdn:
-                c.commit(n)
+                c.commit([n])

@@ -1,8 +1,9 @@
 """Drafters propose tokens; the target verifies them.
 
-A drafter implements ``reset(prompt, hidden)``, ``draft(k) -> list[int]`` and
-``accept(tokens, hidden)`` (the tokens a verify step emitted, with the target's
-hidden states for the verified positions).
+A user's drafter implements ``reset(prompt, hidden)``, ``draft(k) -> list[int]``
+and ``accept(tokens, hidden)`` (the tokens a verify step emitted, with the
+target's hidden states for the verified positions); what the engine asks of
+the drafters it holds is in :mod:`.contract` (docs/drafters.md).
 """
 
 from .ngram import NgramDrafter

@@ -1,51 +1,18 @@
-"""The drafter contract: what the decode loop asks of a drafter, in one place.
+"""The drafters' base class and the adapter of a user's drafter object.
 
-A drafter proposes tokens after the pending token; the target verifies them
-in one pass and the drafter is told what was kept. Three methods are
-required; the rest have defaults that a simple drafter never touches:
-
-- ``reset(prompt, hidden)``: a new history. hidden: [N-1, H] post-norm target
-  states of ``prompt[:-1]`` when ``needs_hidden``, else None.
-- ``draft(k) -> list[int]``: up to ``k`` tokens after the pending token.
-- ``accept(tokens, hidden)``: the tokens a verify pass kept (accepted drafts
-  and the target's own next token); hidden: [len(tokens), H] for the inputs
-  that produced them (``needs_hidden``), else None.
-- ``needs_hidden``: whether ``reset``/``accept`` need the hidden states.
-- ``set_sampling(choose)``: the target samples or processes its logits;
-  ``choose(logits, drafted)`` returns ``(token, q)`` (q None: a deterministic
-  choice) for a drafter that drafts from logits. Default: drafts stay as the
-  drafter makes them.
-- ``draft_probs``: [m, V] the distributions the last draft was sampled from
-  (rejection sampling needs them); None for a deterministic draft.
-- ``draft_tokens(k)``: optional, ``draft`` without a host synchronisation: the
-  tokens as a lazy ``mx.array`` [m] that the verify pass evaluates together
-  with its own outputs (one synchronisation per pass), or a list.
-- ``can_draft()``: False when the next draft is known to be empty without
-  running anything (an n-gram index with no match); True by default. A batch
-  counts such a row as one token, not as the draft its acceptance promises.
-- ``draft_source(k, look)``: the name of the source that drafts next (``mtp``:
-  the MTP head, ``ngram``: a copy; ``mtp+ngram`` switches between them);
-  ``auto`` keeps a draft-length policy per source.
-- ``hindsight()``: per source (None: a one-source drafter's), ``(hits,
-  trials)``: first drafts judged without being verified (what the drafter
-  would have drafted against the token the target then chose), since the
-  last call, at the positions where passes drafting one token would have
-  started (``OneDraftWalk``); ``auto`` learns from them, and they count as
-  its probes.
-- ``set_source_paying(source, paying)``: ``auto`` says whether drafting from
-  ``source`` pays now, so a drafter need not run that source just to choose
-  between its sources.
-- ``catch_up()``: deferred work (e.g. head forwards over accepted rows) done
-  now, so that timing the next ``draft`` measures drafting alone.
-- ``state`` / ``restore(history, arrays)``: arrays saved with a chat session
-  and how to rebuild from them (``state`` runs deferred work first).
-- ``take_deferred()`` / ``put_deferred(rows)``: deferred work handed over and
-  back, so that a state kept in memory carries it instead of running it.
+The contracts are in :mod:`.contract`: :class:`Drafter` implements
+:class:`~.contract.CoreDrafter` (a subclass implements ``reset``, ``draft``
+and ``accept``; the rest have defaults a simple drafter never touches) and
+:class:`~.contract.SelfJudging` for one unnamed source that judges nothing
+(``auto``'s per-source policies ask every drafter). :func:`as_drafter` adapts
+an object with ``reset``/``draft``/``accept`` (:class:`~.contract.UserDrafter`).
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+
+from .contract import DeferredPass, DraftChooser, Hindsight, UserDrafter
 
 # The caps on tokens drafted per verify pass (``num_draft_tokens``):
 MAX_DRAFT_TOKENS = 16  # a number given by the caller, any drafter
@@ -83,27 +50,38 @@ class OneDraftWalk:
         return counts
 
 
-def as_list(drafter, tokens) -> List[int]:
-    """``drafter``'s draft from its ``draft_tokens`` as a list: a lazy one
-    evaluated together with the logits and q it came with."""
-    if isinstance(tokens, list):
-        return tokens
+def as_list(drafter, tokens: mx.array) -> List[int]:
+    """``drafter``'s draft from its ``draft_tokens`` ([m]) as a list, a lazy
+    one evaluated together with the logits and q it came with."""
     mx.eval(tokens, drafter.last_draft_logits, drafter.draft_probs)
     return tokens.tolist()
 
 
+def host_draft(tokens: Sequence[int]) -> mx.array:
+    """A draft made on the host (a list of ints) as the engine's draft type:
+    [m] uint32."""
+    return mx.array(list(tokens), mx.uint32)
+
+
 class Drafter:
-    """Base class of the drafters; see the module docstring for the contract."""
+    """Base class of the drafters (see :mod:`.contract`)."""
 
     name = "custom"
     needs_hidden = False
     draft_probs: Optional[mx.array] = None
+    last_draft_logits: Optional[mx.array] = None  # [m, V] a head's, if any
+    drafted_on_device = False  # host drafts by default
 
     def reset(self, prompt: Sequence[int], hidden: Optional[mx.array]):
         raise NotImplementedError
 
     def draft(self, k: int) -> List[int]:
+        """Up to ``k`` tokens after the pending token, as host ints."""
         raise NotImplementedError
+
+    def draft_tokens(self, k: int) -> mx.array:
+        """:meth:`draft` as the engine takes it: [m] uint32."""
+        return host_draft(self.draft(k))
 
     def accept(self, tokens: Sequence[int], hidden: Optional[mx.array]):
         raise NotImplementedError
@@ -114,7 +92,7 @@ class Drafter:
         default."""
         return n
 
-    def set_sampling(self, choose):
+    def set_sampling(self, choose: Optional[DraftChooser]):
         """Deterministic drafts by default: the verifier treats q as one-hot."""
 
     def catch_up(self):
@@ -129,7 +107,7 @@ class Drafter:
         deferred work to answer exactly); None by default (an unnamed one)."""
         return None
 
-    def hindsight(self) -> Dict[Optional[str], Tuple[int, int]]:
+    def hindsight(self) -> Hindsight:
         """No first drafts judged in hindsight by default."""
         return {}
 
@@ -140,12 +118,12 @@ class Drafter:
     def state(self) -> List[mx.array]:
         return []
 
-    def take_deferred(self) -> list:
+    def take_deferred(self) -> List[DeferredPass]:
         """The deferred work, handed over (the drafter no longer holds it);
         none by default."""
         return []
 
-    def put_deferred(self, rows: list):
+    def put_deferred(self, rows: List[DeferredPass]):
         """Hold ``rows`` (from :meth:`take_deferred`) as deferred work again."""
         if rows:
             raise ValueError(f"drafter {self.name!r} defers no work")
@@ -173,8 +151,9 @@ class _ForeignDrafter(Drafter):
 
 
 def is_drafter(obj) -> bool:
-    """True for a :class:`Drafter` or any object with the three required methods."""
-    return isinstance(obj, Drafter) or all(
+    """True for a :class:`Drafter` or any object with the three required
+    methods (a :class:`~.contract.UserDrafter`)."""
+    return isinstance(obj, (Drafter, UserDrafter)) and all(
         callable(getattr(obj, m, None)) for m in ("reset", "draft", "accept")
     )
 

@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .base import Drafter, as_list
+from .base import Drafter, as_list, host_draft
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
 
@@ -63,6 +63,16 @@ class MTPNgramDrafter(Drafter):
         """q [m, V] of the last draft when the head sampled it; None for a
         deterministic draft (a copy, or the head's argmax)."""
         return self.mtp.draft_probs if self.last_draft_source == "mtp" else None
+
+    @property
+    def drafted_on_device(self) -> bool:
+        """Whether the last draft was the head's (lazy, on the device)."""
+        return self.last_draft_source == "mtp"
+
+    @property
+    def head_drafter(self) -> MTPDrafter:
+        """The head's drafting part (``contract.HeadBased``)."""
+        return self.mtp
 
     @property
     def last_draft_logits(self) -> Optional[mx.array]:
@@ -169,19 +179,20 @@ class MTPNgramDrafter(Drafter):
     def draft(self, k: int) -> List[int]:
         return as_list(self, self.draft_tokens(k))
 
-    def draft_tokens(self, k: int):
-        """A copy (a list), or the head's draft as a lazy array (see
-        :meth:`MTPDrafter.draft_tokens`)."""
+    def draft_tokens(self, k: int) -> mx.array:
+        """A copy, or the head's draft as a lazy array (see
+        :meth:`MTPDrafter.draft_tokens`): [m] uint32."""
         self.mtp.check_draft_length(k)
         self._divergence = None
         copy = self.ngram.draft(k)
         if copy and self.head_pays and self._learns() and not self.prefer_copy(copy):
             head = int(mx.argmax(self.mtp.next_logits()).item())
             self._divergence = (copy[0], head)  # scored once the target decides
-        out = self.mtp.draft_tokens(k) if self._needs_head(copy) else copy
-        source = "ngram" if out is copy else "mtp"
-        self.last_draft_source = source if len(out) else None
-        self.steps[source] += bool(len(out))
+        head = self._needs_head(copy)
+        out = self.mtp.draft_tokens(k) if head else host_draft(copy)
+        source = "mtp" if head else "ngram"
+        self.last_draft_source = source if out.size else None
+        self.steps[source] += bool(out.size)
         return out
 
     def accept(self, emitted: Sequence[int], hidden=None):

@@ -28,7 +28,7 @@ from typing import Optional, Union
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from ..drafters.mtp import MTPDrafter
+from ..drafters.mtp_rows import HeadRows
 from .checkpoints import EOS_TOKEN_ID, write_tiny_checkpoint
 
 _OUTPUT_PROJS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "down_proj")
@@ -123,11 +123,11 @@ def sidecar_metadata(model_dir) -> dict:
 
 def count_head_rows(monkeypatch) -> list:
     """The list that records, from now on, how many rows each head forward
-    over verified rows (``MTPDrafter._rows``) runs."""
-    calls, rows = [], MTPDrafter._rows
+    over verified rows (``HeadRows.run``) runs."""
+    calls, rows = [], HeadRows.run
     monkeypatch.setattr(
-        MTPDrafter,
-        "_rows",
-        lambda d, t, *a, **k: calls.append(t.size) or rows(d, t, *a, **k),
+        HeadRows,
+        "run",
+        lambda r, t, *a, **k: calls.append(t.size) or rows(r, t, *a, **k),
     )
     return calls

@@ -168,7 +168,7 @@ def test_state_manager_rollback_through_kernel(rollback):
         with harness.use_harness(), kernels.use_mode("on" if use_kernel else "off"):
             cache.capturing = True
             cache.verify_recurrence(conv, inputs, None)
-            cache.commit(n)
+            cache.commit([n])
             mx.eval(cache[1])
         return cache
 
