@@ -148,24 +148,6 @@ def test_bad_workloads_file_is_one_line(
     assert message in err and str(path) in err and len(err.splitlines()) == 1
 
 
-def test_rounds_reverse_the_order_each_time():
-    """Every setting once a round, the order reversed each round, so that a
-    busy spell falls on all settings alike."""
-    got = list(bench.interleaved(["a", "b", "c"], 3))
-    assert got == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a")] + [
-        (2, "a"),
-        (2, "b"),
-        (2, "c"),
-    ]
-    assert list(bench.interleaved(["a"], 0)) == []
-
-
-def test_the_median_run_is_a_whole_run():
-    runs = [{"tps": 3.0, "n": 1}, {"tps": 1.0, "n": 2}, {"tps": 2.0, "n": 3}]
-    assert bench.median_run(runs, "tps") == {"tps": 2.0, "n": 3}
-    assert bench.median_run(runs[:2], "tps")["tps"] == 3.0  # even: the upper one
-
-
 @pytest.mark.skipif(
     not bench.blas_in_use().startswith("reference BLAS"),
     reason="a preloaded BLAS may round a row differently with the row count",

@@ -33,7 +33,6 @@ import platform
 import statistics
 import sys
 import sysconfig
-import threading
 import time
 from importlib import resources
 from pathlib import Path
@@ -134,46 +133,6 @@ def machine_info() -> dict:
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "cpu_count": os.cpu_count(),
     }
-
-
-def interleaved(settings: list, rounds: int):
-    """(round, setting) for ``rounds`` rounds of every setting in turn, each
-    round in the reverse order of the last, so that a busy spell of a shared
-    machine falls on every setting alike (the benchmark scripts' rounds)."""
-    for r in range(rounds):
-        for setting in settings if r % 2 == 0 else settings[::-1]:
-            yield r, setting
-
-
-def median_run(runs: List[dict], key: str) -> dict:
-    """The run whose ``key`` is the median (the upper one of an even count)."""
-    return sorted(runs, key=lambda run: run[key])[len(runs) // 2]
-
-
-def concurrent_clients(request, prompts: list, clients: int):
-    """``clients`` threads, each sending every prompt once in turn (client
-    ``i`` from ``prompts[i % n]`` on) through ``request(prompt)``: the
-    results and the wall seconds. A failed request is raised, named, once
-    every client is done (the benchmark scripts' concurrent load)."""
-    results, errors = [], []
-
-    def client(i):
-        for j in range(len(prompts)):
-            try:
-                results.append(request(prompts[(i + j) % len(prompts)]))
-            except Exception as e:  # reported, not hidden
-                errors.append(repr(e))
-
-    tic = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - tic
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
-    return results, wall
 
 
 def _decode(responses):
