@@ -15,7 +15,7 @@ Typical use::
         kernel = mx.fast.metal_kernel(name=..., input_names=..., ...)
         out = kernel(inputs=..., grid=..., threadgroup=..., ...)
 
-See tests/msl/README.md for the supported MSL subset and the limits.
+See tests/kernels/msl/README.md for the supported MSL subset and the limits.
 The code is split by concept: ``common`` (constants, errors, options),
 ``translate`` (kernel text -> C++), ``signature`` (MLX's kernel signature),
 ``build`` (compiler and library cache), ``kernel`` (``HarnessKernel`` and

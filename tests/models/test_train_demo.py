@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "train_demo"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "train_demo"
 sys.path.insert(0, str(SCRIPTS))
 
 from chunked_gdn import (  # noqa: E402

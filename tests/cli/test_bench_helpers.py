@@ -9,8 +9,7 @@ import pytest
 
 def _load_helpers():
     """scripts/ is no package: load its helpers module from its file."""
-    root = next(p for p in Path(__file__).resolve().parents if (p / "scripts").is_dir())
-    path = root / "scripts" / "bench_helpers.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_helpers.py"
     spec = importlib.util.spec_from_file_location("bench_helpers", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -42,15 +41,16 @@ def test_every_client_sends_every_prompt_from_its_own_offset():
     sent, lock = [], threading.Lock()
 
     def request(prompt):
+        # by thread name: an ident is reused once its thread has ended
         with lock:
-            sent.append((threading.get_ident(), prompt))
+            sent.append((threading.current_thread().name, prompt))
         return prompt.upper()
 
     results, wall = helpers.concurrent_clients(request, ["a", "b", "c"], 2)
     assert sorted(results) == ["A", "A", "B", "B", "C", "C"] and wall >= 0
     by_client = {}
-    for ident, prompt in sent:
-        by_client.setdefault(ident, []).append(prompt)
+    for name, prompt in sent:
+        by_client.setdefault(name, []).append(prompt)
     assert sorted(by_client.values()) == [["a", "b", "c"], ["b", "c", "a"]]
 
 
