@@ -28,6 +28,7 @@ EOS = 399
 @pytest.mark.parametrize(
     "kinds", [("oracle", "ngram", "oracle"), ("mtp", "mtp+ngram", "none")]
 )
+@pytest.mark.slow
 def test_each_row_equals_its_decoding_alone(models, family, kinds):
     _assert_rows_equal_alone(models, family, kinds)
 
@@ -177,6 +178,7 @@ def assert_flat_over_rounds(readings, tokens_per_round: int):
     assert growth_per_token(marks, rounds) < PER_TOKEN_LIMIT, readings
 
 
+@pytest.mark.slow
 def test_memory_flat_with_slots_cycling(tmp_path):
     """Sequences of mostly accepted drafts cycle through two slots; active
     memory with the batch empty does not grow from one round to the next."""
@@ -196,6 +198,7 @@ def test_memory_flat_with_slots_cycling(tmp_path):
     assert_flat_over_rounds(readings, 2 * 150)
 
 
+@pytest.mark.slow
 def test_memory_flat_with_plain_passes_queued(models):
     """Rows without drafters (every pass queued ahead) cycle through two
     slots; active memory with the batch empty does not grow."""

@@ -176,6 +176,7 @@ def test_a_full_ngram_match_is_copied_without_running_the_head(models):
     assert drafter.needs_head_state(3)  # no match for (6, 2): the head drafts
 
 
+@pytest.mark.slow
 def test_memory_flat_while_rows_draft_with_the_head(cycle_model):
     """Two rows draft with the batch's MTP head (lazily, into the verify
     pass) for 1,200 mostly accepted tokens each: MLX's active memory, less

@@ -101,6 +101,7 @@ def _run_concurrently(engine, jobs):
         ("mtp+ngram", "sampler"),
     ],
 )
+@pytest.mark.slow
 def test_a_failing_row_ends_alone_and_later_requests_work(
     models, poisonable, draft, poison
 ):

@@ -85,6 +85,7 @@ def reference_replies(model, tok, turns, max_tokens=24, **kwargs):
     return out
 
 
+@pytest.mark.slow
 def test_three_turns_match_mlx_lm_and_prefill_only_new_tokens(checkpoint_dirs, models):
     model, tok = models["qwen3_next"]
     stdin = "\n".join(TURNS + ["/stats"]) + "\n"
@@ -130,6 +131,7 @@ def test_penalty_flags_apply_to_every_turn(
     assert want != reference_replies(model, tok, TURNS, 8)
 
 
+@pytest.mark.slow
 def test_save_quit_load_continue(checkpoint_dirs, tmp_path):
     model_dir = checkpoint_dirs["qwen3_5"]
     once = subprocess.run(
@@ -162,6 +164,7 @@ def test_save_quit_load_continue(checkpoint_dirs, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_cache_file_of_another_model_is_refused(checkpoint_dirs, tmp_path):
     cache_file = tmp_path / "s.safetensors"
     subprocess.run(
@@ -308,6 +311,7 @@ def read_until(proc, done, timeout=120.0):
     return out.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_ctrl_c_returns_to_the_prompt_and_ctrl_d_exits(checkpoint_dirs):
     proc = subprocess.Popen(
         chat_cmd(checkpoint_dirs["qwen3_next"], "--max-tokens", "100000"),

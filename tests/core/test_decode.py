@@ -16,6 +16,7 @@ from mlx_spec.testing.reference import (
 
 
 @pytest.mark.parametrize("kind", ["random", "repetitive", "mixed"])
+@pytest.mark.slow
 def test_ngram_greedy_identical_to_mlx_lm(models, family, kind):
     model, tok = models[family]
     prompt = prompts(kind)
@@ -27,6 +28,7 @@ def test_ngram_greedy_identical_to_mlx_lm(models, family, kind):
 
 
 @pytest.mark.parametrize("error", [0.0, 0.3, 0.7])
+@pytest.mark.slow
 def test_partial_acceptance_identical(models, family, error):
     """Drafts that are right, partly right or mostly wrong: output never changes."""
     model, tok = models[family]
@@ -107,6 +109,7 @@ def test_max_tokens_met_exactly(models):
     k=st.integers(0, 8),
     max_tokens=st.integers(1, 24),
 )
+@pytest.mark.slow
 def test_property_ngram_identical(models, data, family, k, max_tokens):
     unit = data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=6))
     noise = data.draw(st.lists(st.integers(0, 255), max_size=12))

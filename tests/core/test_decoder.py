@@ -32,6 +32,7 @@ def plain_conversation(model, tok, turns, max_tokens):
 
 
 @pytest.mark.parametrize("drafter_kind", ["ngram", "oracle"])
+@pytest.mark.slow
 def test_turns_match_plain_and_state_is_exact(models, family, drafter_kind):
     model, tok = models[family]
     ref, ref_cache = plain_conversation(model, tok, TURNS, 20)
@@ -111,6 +112,7 @@ def test_feed_rejects_empty_and_step_needs_tokens(models):
 
 
 @pytest.mark.parametrize("drafter_kind", ["none", "ngram-off", "auto-off"])
+@pytest.mark.slow
 def test_queued_plain_passes_are_plain_decoding(
     models, family, drafter_kind, monkeypatch
 ):

@@ -140,6 +140,7 @@ def test_attention_only_models_are_lossless(models, module, extra):
     assert spec_tokens(model, tok, prompt, 24, num_draft_tokens=4) == ref
 
 
+@pytest.mark.slow
 def test_cli_generate(checkpoint_dirs):
     cmd = [
         sys.executable,
@@ -172,6 +173,7 @@ def test_cli_generate(checkpoint_dirs):
     assert bad.returncode == 2 and "got 40" in bad.stderr
 
 
+@pytest.mark.slow
 def test_cli_penalty_flags_match_mlx_lm(checkpoint_dirs, models, family, capsys):
     """``--repetition-penalty`` and ``--frequency-penalty`` reach every pass:
     the text is mlx-lm's under the same processors, and not the unpenalised one."""

@@ -18,6 +18,7 @@ DRAFTS = ["ngram", "mtp", "mtp+ngram"]
 
 
 @pytest.mark.parametrize("draft", DRAFTS + ["none"])
+@pytest.mark.slow
 def test_reused_prompt_cache_matches_mlx_lm(models, plain_models, family, draft):
     """Three calls on one cache (the last stopped early by the caller): every
     call's tokens and the cache after it equal mlx-lm's with its own cache."""

@@ -40,6 +40,7 @@ def quantised_reference(model, tok, start):
 # 10: quantised right after the prompt; 27, 31, 38: inside generation, where
 # a pass of 1 + 5 tokens from the previous pass's end would run across it.
 @pytest.mark.parametrize("start", [10, 27, 31, 38])
+@pytest.mark.slow
 def test_quantised_kv_is_lossless_where_it_bites(models, family, start):
     model, tok = models[family]
     want = quantised_reference(model, tok, start)
@@ -61,6 +62,7 @@ def test_quantised_kv_is_lossless_where_it_bites(models, family, start):
 
 
 @pytest.mark.parametrize("draft", ["ngram", "mtp"])
+@pytest.mark.slow
 def test_quantised_kv_with_built_in_drafters(models, family, draft):
     """The built-in drafters (drafts mostly rejected on random weights) under
     quantisation that starts mid-generation."""

@@ -69,6 +69,7 @@ def assert_flat_on_cycle(model, tok, draft, baseline, **kwargs):
     return stats
 
 
+@pytest.mark.slow
 def test_an_injected_leak_is_caught(cycle_models, plain_slope, monkeypatch):
     """Control: the decoder made to keep 256 bytes per emitted token (an
     evaluated array, as a retained per-token state would be) fails the bound,
@@ -90,6 +91,7 @@ def test_an_injected_leak_is_caught(cycle_models, plain_slope, monkeypatch):
 
 @pytest.mark.parametrize("rollback", ["store", "replay"])
 @pytest.mark.parametrize("draft", ["ngram", "mtp", "mtp+ngram"])
+@pytest.mark.slow
 def test_memory_flat_on_every_family(
     cycle_models, plain_slope, family, draft, rollback
 ):
@@ -111,6 +113,7 @@ def demo_run():
 
 
 @pytest.mark.parametrize("draft", ["ngram", "mtp+ngram"])
+@pytest.mark.slow
 def test_memory_flat_on_demo_model(demo_run, draft):
     model, tok, prompt, marks, baseline = demo_run
     slope, stats = memory_slope(model, tok, prompt, draft, marks, num_draft_tokens=8)
@@ -119,6 +122,7 @@ def test_memory_flat_on_demo_model(demo_run, draft):
 
 
 @pytest.mark.parametrize("draft", ["mtp", "mtp+ngram"])
+@pytest.mark.slow
 def test_memory_flat_under_auto(cycle_models, plain_slope, draft):
     """``auto`` keeps a policy and the head's judgements in hindsight: they
     must not grow either."""
@@ -129,6 +133,7 @@ def test_memory_flat_under_auto(cycle_models, plain_slope, draft):
 
 
 @pytest.mark.parametrize("draft", ["mtp", "mtp+ngram"])
+@pytest.mark.slow
 def test_memory_flat_with_a_windowed_head(
     cycle_models, plain_slope, draft, monkeypatch
 ):
@@ -142,6 +147,7 @@ def test_memory_flat_with_a_windowed_head(
 
 
 @pytest.mark.parametrize("draft", ["mtp", "mtp+ngram"])
+@pytest.mark.slow
 def test_memory_flat_under_logits_processors(cycle_models, plain_slope, draft):
     """Greedy under a repetition penalty: the head drafts its argmax after
     the penalty (the history converted once per length) and its rows are

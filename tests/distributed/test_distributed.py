@@ -75,6 +75,7 @@ def checkpoints(tmp_path_factory):
         ("qwen3_next", "mtp+ngram:auto"),
     ],
 )
+@pytest.mark.slow
 def test_pipeline_output_equals_single_process_and_mlx_lm(checkpoints, family, draft):
     """(With ``auto`` the ranks time their passes differently, and must still
     agree on every pass's length.)"""
@@ -128,6 +129,7 @@ def _rank_processes(launcher_pid):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
+@pytest.mark.slow
 def test_a_rank_that_dies_ends_every_rank_naming_it(tmp_path):
     from mlx_spec.testing.mtp_heads import write_cycle_checkpoint
 
@@ -159,6 +161,7 @@ def test_a_rank_that_dies_ends_every_rank_naming_it(tmp_path):
         stop(proc)
 
 
+@pytest.mark.slow
 def test_pipeline_chat_equals_single_process_chat(checkpoints):
     """Rank 0 reads the lines and every rank replies; the transcript is the
     single-process chat's (itself tested against mlx-lm)."""
@@ -194,6 +197,7 @@ def test_pipeline_chat_equals_single_process_chat(checkpoints):
     assert replies(ours) == replies(single.stdout.decode(errors="replace").splitlines())
 
 
+@pytest.mark.slow
 def test_pipeline_server_answers_as_mlx_lm(checkpoints):
     """Rank 0 serves HTTP; both ranks decode every request in lock-step,
     concurrent ones in one batch."""

@@ -79,6 +79,7 @@ def test_registered():
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("draft", ["mtp", "mtp+ngram"])
+@pytest.mark.slow
 def test_lossless_greedy_all_draft_lengths(models, family, draft):
     model, tok = models[family]
     accepted = 0

@@ -57,6 +57,7 @@ def _reference(model, tok, prompt):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.slow
 def test_lossless_greedy(demo, prompt):
     model, tok = demo
     want = _reference(model, tok, prompt)
@@ -104,6 +105,7 @@ def _first_command() -> list:
     return shlex.split(line.split("&& mlx_spec generate ", 1)[1])
 
 
+@pytest.mark.slow
 def test_readme_first_command_is_lossless_and_does_not_loop(demo, capsys):
     """The README's first command prints what mlx-lm prints under the same
     penalty, and its text does not repeat itself: at most 5% of its 16-token

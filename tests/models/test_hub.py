@@ -159,6 +159,7 @@ def test_a_repo_id_loads_with_its_head_and_decodes_losslessly(hub, env):
     assert hub.sent(RELEASE, LAST_SHARD) == len(hub.repos[RELEASE].files[LAST_SHARD])
 
 
+@pytest.mark.slow
 def test_the_sidecar_mlx_lm_leaves_out_is_downloaded(hub, env, repos):
     """An MLX repo shipping ``mtp.safetensors`` (not in mlx-lm's download
     patterns) gets its head; ``--mtp-path REPO`` fetches only MTP files."""
@@ -209,6 +210,7 @@ def test_every_mtp_file_layout_is_downloaded(tmp_path, env, hub, repos):
     assert "README.md" not in got and "original/consolidated.safetensors" not in got
 
 
+@pytest.mark.slow
 def test_a_second_load_comes_from_the_cache(hub, env):
     """Loaded once, a repo loads again with the hub stopped, and with
     HF_HUB_OFFLINE=1; a repo never loaded is then one clear line."""
@@ -221,6 +223,7 @@ def test_a_second_load_comes_from_the_cache(hub, env):
     assert MLX_REPO in line and "HF_HUB_OFFLINE" in line
 
 
+@pytest.mark.slow
 def test_a_cli_command_takes_a_repo_id_and_a_revision(hub, env):
     sha = hub.repos[MLX_REPO].sha
     done = _cli("generate", "--model", MLX_REPO, "--revision", sha, *GENERATE, env=env)
@@ -231,6 +234,7 @@ def test_a_cli_command_takes_a_repo_id_and_a_revision(hub, env):
 # ------------------------------------------------------------------- errors
 
 
+@pytest.mark.slow
 def test_an_unknown_repo_and_a_missing_revision_are_one_line(hub, env, repos):
     line = _error_line(_cli("generate", "--model", "org/nope", *GENERATE, env=env))
     assert "'org/nope'" in line and "no repo" in line
@@ -265,6 +269,7 @@ def test_an_unknown_repo_and_a_missing_revision_are_one_line(hub, env, repos):
     assert not any((Path(env["HF_HOME"]) / "hub").glob("models--org--nope/snapshots/*"))
 
 
+@pytest.mark.slow
 def test_a_server_dying_mid_file_is_one_line_and_leaves_no_corrupt_cache(hub, env):
     """The connection drops 1000 bytes into the first shard, every time: one
     line; nothing truncated in the snapshot; with the hub healthy again the
@@ -332,6 +337,7 @@ def _mtp_from(env, mlx_dir, *extra):
     )
 
 
+@pytest.mark.slow
 def test_mtp_from_fetches_only_the_mtp_byte_ranges(hub, env, repos, tmp_path):
     """Of the release only the last shard's header and its MTP tensors' bytes
     cross the wire (the first shard: nothing), and the head written equals
@@ -352,6 +358,7 @@ def test_mtp_from_fetches_only_the_mtp_byte_ranges(hub, env, repos, tmp_path):
     assert done.returncode == 0 and "already fetched" in done.stdout, done.stderr
 
 
+@pytest.mark.slow
 def test_mtp_from_resumes_after_the_server_dies(hub, env, repos, tmp_path):
     """The connection drops 30 kB into the MTP tensors: one line, no
     sidecar; the next run fetches only the rest and writes the same head."""
@@ -384,6 +391,7 @@ def test_mtp_from_downloads_the_whole_shard_when_ranges_are_refused(
     _same_head(mlx, repos["raw"])
 
 
+@pytest.mark.slow
 def test_mtp_from_a_repo_without_mtp_tensors_is_one_line(hub, env, repos, tmp_path):
     mlx = shutil.copytree(repos["mlx"], tmp_path / "mlx")
     line = _error_line(
@@ -457,6 +465,7 @@ def test_mtp_from_a_local_directory_reads_it_in_place(repos, tmp_path):
     _same_head(mlx, repos["raw"])
 
 
+@pytest.mark.slow
 def test_convert_hf_path_takes_a_repo_id(hub, env, repos, tmp_path):
     """``--hf-path REPO`` downloads the whole release, converts the target
     and writes the head: the model decodes with its head losslessly."""
@@ -487,6 +496,7 @@ def test_the_server_names_a_downloaded_model_by_its_repo_id(tmp_path):
     assert model_name(None, snapshot) == "0123abcd"
 
 
+@pytest.mark.slow
 def test_a_damaged_cached_fetch_is_fetched_again(hub, env, repos, tmp_path):
     mlx = shutil.copytree(repos["mlx"], tmp_path / "mlx")
     assert _mtp_from(env, mlx).returncode == 0

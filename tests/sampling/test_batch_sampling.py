@@ -25,6 +25,7 @@ EOS = 399
 
 
 @pytest.mark.parametrize("kinds", [("oracle", "ngram"), ("mtp+ngram", "mtp")])
+@pytest.mark.slow
 def test_rows_with_logits_processors_equal_mlx_lm(models, family, kinds):
     """Each row's processors see its own history and drafts: a penalty row and
     a biased row decode as mlx-lm does with the same processors, beside a row
@@ -120,6 +121,7 @@ def _batch_samples(model, prompt, sampler, drafter_name, processors=None):
     return np.array(runs)
 
 
+@pytest.mark.slow
 def test_sampled_rows_with_processors_follow_plain_sampling(predictive_model):
     """Drafts sampled from the head under the row's processors, verified
     against the target under them: plain sampling with those processors."""

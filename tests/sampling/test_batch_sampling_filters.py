@@ -53,12 +53,14 @@ def assert_rows_follow_plain_sampling(results):
         assert 0 < accepted < drafted, (name, accepted, drafted)
 
 
+@pytest.mark.slow
 def test_head_rows_follow_plain_sampling(predictive_model):
     """mtp and mtp+ngram rows, each sampler: four rows in one batch."""
     results = sampled_rows(predictive_model, HEAD_DRAFTERS, "mtp")
     assert_rows_follow_plain_sampling(results)
 
 
+@pytest.mark.slow
 def test_ngram_rows_follow_plain_sampling(models):
     """n-gram rows on a random model (its copies are uncertain there)."""
     results = sampled_rows(models["qwen3_next"][0], ("ngram",), "ngram")
@@ -68,6 +70,7 @@ def test_ngram_rows_follow_plain_sampling(models):
 @pytest.mark.parametrize(
     "wrong", [dict(temp=1.0, top_p=0.1, top_k=8), dict(temp=0.5, top_k=8)]
 )
+@pytest.mark.slow
 def test_batch_verifier_ignoring_a_setting_is_caught(
     predictive_model, wrong, monkeypatch
 ):

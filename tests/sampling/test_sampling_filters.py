@@ -60,6 +60,7 @@ def pvalues(model, settings, drafter_name, stats=None, n_runs=N_RUNS):
 
 @pytest.mark.parametrize("drafter_name", ["ngram", "mtp", "mtp+ngram"])
 @pytest.mark.parametrize("name", list(SAMPLERS))
+@pytest.mark.slow
 def test_filtered_sampling_matches_plain_distribution(
     models, predictive_model, name, drafter_name
 ):
@@ -73,6 +74,7 @@ def test_filtered_sampling_matches_plain_distribution(
 
 @pytest.mark.parametrize("drafter_name", ["ngram", "mtp"])
 @pytest.mark.parametrize("control", list(CONTROLS))
+@pytest.mark.slow
 def test_a_verifier_ignoring_a_setting_is_caught(
     models, predictive_model, control, drafter_name, monkeypatch
 ):
@@ -84,6 +86,7 @@ def test_a_verifier_ignoring_a_setting_is_caught(
 
 
 @pytest.mark.parametrize("drafter_name", ["ngram", "mtp"])
+@pytest.mark.slow
 def test_a_verifier_sampling_p_after_a_rejection_is_caught(
     models, predictive_model, drafter_name, monkeypatch
 ):

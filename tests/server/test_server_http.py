@@ -563,6 +563,7 @@ def _decoding(port) -> int:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.slow
 def test_a_signal_ends_open_requests_at_once(tiny, sig):
     """SIGTERM or SIGINT while an OpenAI and an Anthropic stream and a
     request not streamed are decoding: each stream ends with its final event

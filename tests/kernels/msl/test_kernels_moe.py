@@ -77,6 +77,7 @@ def on_harness(fn, *args):
 
 
 @pytest.mark.parametrize("case", REAL + TINY)
+@pytest.mark.slow
 def test_matches_reference(case):
     sw, exact, x, inds, scores = make_case(*case)
     dtype = case[5]
