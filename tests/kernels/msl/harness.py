@@ -9,7 +9,7 @@ barriers have their GPU meaning.
 
 Typical use::
 
-    from msl.harness import use_harness   # tests/ on sys.path
+    from msl.harness import use_harness   # tests/kernels/ on sys.path
 
     with use_harness(debug=True):
         kernel = mx.fast.metal_kernel(name=..., input_names=..., ...)
