@@ -187,7 +187,7 @@ def cached_kernel(key: Tuple, build: Callable[[], object]):
     """The kernel object for ``key``, built by ``build()`` on first use.
 
     Built through whatever ``mx.fast.metal_kernel`` is current (MLX's, or the
-    MSL harness's under ``tests/msl``) and cached per that function too, so a
+    MSL harness's under ``tests/kernels/msl``) and cached per that function too, so a
     kernel built under the harness is never launched on Metal or vice versa.
     """
     full = (key, mx.fast.metal_kernel)

@@ -43,12 +43,8 @@ from typing import List, Optional
 import mlx.core as mx
 
 import mlx_spec
-from mlx_spec.commands.bench import (
-    interleaved,
-    load_workloads,
-    machine_info,
-    median_run,
-)
+from bench_helpers import interleaved, median_run
+from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.demo import default_model_path

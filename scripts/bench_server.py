@@ -37,13 +37,8 @@ from pathlib import Path
 import mlx.core as mx
 
 import mlx_spec
-from mlx_spec.commands.bench import (
-    concurrent_clients,
-    interleaved,
-    load_workloads,
-    machine_info,
-    median_run,
-)
+from bench_helpers import concurrent_clients, interleaved, median_run
+from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters import DRAFTS
 from mlx_spec.testing.server import free_port, mlx_spec_server, running_server
@@ -217,7 +212,7 @@ def main():
         default=["copy-function", "edit-class", "free-main", "free-class"]
         + ["long-context"],
         help="the bench workloads the clients send, by name (default: the "
-        "five of 27 to 2,119 tokens, as in the README)",
+        "five of 27 to 2,119 tokens, as in docs/measurements.md)",
     )
     p.add_argument(
         "--shared-prefix-chars",

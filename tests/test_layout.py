@@ -121,3 +121,15 @@ def test_the_wheel_lists_every_package():
     packages = {name for name, (_, is_package) in MODULES.items() if is_package}
     assert folders <= packages, sorted(folders - packages)  # each has an __init__.py
     assert packages <= listed, sorted(packages - listed)
+
+
+def test_test_modules_have_unique_names():
+    """The test folders are no packages (pytest puts each on sys.path), so two
+    test modules of one name in different folders would clash on import."""
+    tests = ROOT / "tests"
+    seen = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        if (path.parent / "__init__.py").exists():
+            continue  # inside a package (kernels/msl): imported by its dotted name
+        seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {n: p for n, p in seen.items() if len(p) > 1} == {}

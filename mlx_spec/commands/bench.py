@@ -33,7 +33,6 @@ import platform
 import statistics
 import sys
 import sysconfig
-import threading
 import time
 from importlib import resources
 from pathlib import Path
@@ -136,46 +135,6 @@ def machine_info() -> dict:
     }
 
 
-def interleaved(settings: list, rounds: int):
-    """(round, setting) for ``rounds`` rounds of every setting in turn, each
-    round in the reverse order of the last, so that a busy spell of a shared
-    machine falls on every setting alike (the benchmark scripts' rounds)."""
-    for r in range(rounds):
-        for setting in settings if r % 2 == 0 else settings[::-1]:
-            yield r, setting
-
-
-def median_run(runs: List[dict], key: str) -> dict:
-    """The run whose ``key`` is the median (the upper one of an even count)."""
-    return sorted(runs, key=lambda run: run[key])[len(runs) // 2]
-
-
-def concurrent_clients(request, prompts: list, clients: int):
-    """``clients`` threads, each sending every prompt once in turn (client
-    ``i`` from ``prompts[i % n]`` on) through ``request(prompt)``: the
-    results and the wall seconds. A failed request is raised, named, once
-    every client is done (the benchmark scripts' concurrent load)."""
-    results, errors = [], []
-
-    def client(i):
-        for j in range(len(prompts)):
-            try:
-                results.append(request(prompts[(i + j) % len(prompts)]))
-            except Exception as e:  # reported, not hidden
-                errors.append(repr(e))
-
-    tic = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - tic
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
-    return results, wall
-
-
 def _decode(responses):
     """Run a response stream; (last response, host CPU seconds after the
     first, the token ids). The host CPU is the calling thread's CPU time: MLX
@@ -190,7 +149,7 @@ def _decode(responses):
     return last, time.thread_time() - first, tokens
 
 
-def _run_plain(model, tok, prompt, max_tokens):
+def run_plain(model, tok, prompt, max_tokens):
     mx.reset_peak_memory()
     last, host, tokens = _decode(
         plain_stream_generate(model, tok, prompt, max_tokens=max_tokens)
@@ -204,7 +163,7 @@ def _run_plain(model, tok, prompt, max_tokens):
     }
 
 
-def _run_spec(model, tok, prompt, max_tokens, draft, k, timing=False):
+def run_spec(model, tok, prompt, max_tokens, draft, k, timing=False):
     mx.reset_peak_memory()
     stats = SpecStats()
     responses = stream_generate(
@@ -299,23 +258,32 @@ def summarise(name, kind, plain_runs, spec_runs, timed, costs) -> dict:
     }
 
 
+def interleaved(settings: list, rounds: int):
+    """(round, setting) for ``rounds`` rounds of every setting in turn, each
+    round in the reverse order of the last, so that a busy spell of a shared
+    machine falls on every setting alike (the doctor's and the scripts' rounds)."""
+    for r in range(rounds):
+        for setting in settings if r % 2 == 0 else settings[::-1]:
+            yield r, setting
+
+
 def run_bench(model, tok, workloads, settings, repeats, progress=None) -> List[dict]:
     costs = verify_cost_profile(model)
     results = []
     for w in workloads:
         prompt, max_tokens = w["prompt"], w["max_tokens"]
         # Warm-up: compile and allocate once per setting before timing.
-        _run_plain(model, tok, prompt, 8)
+        run_plain(model, tok, prompt, 8)
         for draft, k in settings:
-            _run_spec(model, tok, prompt, 8, draft, k)
+            run_spec(model, tok, prompt, 8, draft, k)
         plain, spec = [], {s: [] for s in settings}
         for _ in range(repeats):
-            plain.append(_run_plain(model, tok, prompt, max_tokens))
+            plain.append(run_plain(model, tok, prompt, max_tokens))
             for s in settings:
-                spec[s].append(_run_spec(model, tok, prompt, max_tokens, *s))
+                spec[s].append(run_spec(model, tok, prompt, max_tokens, *s))
                 progress and progress()
         for s in settings:
-            timed = _run_spec(model, tok, prompt, max_tokens, *s, timing=True)
+            timed = run_spec(model, tok, prompt, max_tokens, *s, timing=True)
             row = summarise(w["name"], w["kind"], plain, spec[s], timed, costs)
             row.update(draft=s[0], num_draft_tokens=s[1])
             results.append(row)

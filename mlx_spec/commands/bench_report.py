@@ -43,7 +43,7 @@ def lossless_report(results: List[dict]) -> List[str]:
         if at is not None and at >= 0:
             lines.append(
                 f"error: {setting}: the speculative tokens differ from plain "
-                f"greedy decoding's from token {at} (see README, Losslessness)"
+                f"greedy decoding's from token {at} (see docs/losslessness.md)"
             )
         elif at is not None:
             lines.append(

@@ -10,7 +10,7 @@ several tokens differently from one-token steps (README, Losslessness).
 
 from typing import Callable, List, Optional
 
-from ..commands.bench import _run_plain, _run_spec, first_difference
+from ..commands.bench import run_plain, run_spec, first_difference
 from .result import FAIL, PASS, Part
 
 QUICK_DRAFT_LENGTHS = (4,)
@@ -45,12 +45,12 @@ def check_lossless(
     rows = []
     for w in prompts:
         plain = [
-            _run_plain(model, tokenizer, w["prompt"], w["max_tokens"])
+            run_plain(model, tokenizer, w["prompt"], w["max_tokens"])
             for _ in range(plain_runs)
         ]
         for draft in drafters:
             for k in lengths:
-                spec = _run_spec(
+                spec = run_spec(
                     model, tokenizer, w["prompt"], w["max_tokens"], draft, k
                 )
                 at = first_difference(plain, [spec])

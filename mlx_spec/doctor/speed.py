@@ -13,7 +13,7 @@
 import statistics
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..commands.bench import _run_plain, _run_spec, first_difference, interleaved
+from ..commands.bench import run_plain, run_spec, first_difference, interleaved
 from ..core.verify_profile import verify_cost_profile
 from .lossless import available_drafters
 from .result import FAIL, PASS, Part
@@ -82,16 +82,16 @@ def measure(
     for w in prompts:
         prompt, n = w["prompt"], w["max_tokens"]
         if warm_up:  # compile and allocate every setting before timing
-            _run_plain(model, tokenizer, prompt, 4)
+            run_plain(model, tokenizer, prompt, 4)
             for d in drafters:
-                _run_spec(model, tokenizer, prompt, 4, d, "auto")
+                run_spec(model, tokenizer, prompt, 4, d, "auto")
         runs: Dict[str, list] = {s: [] for s in ["none", *drafters]}
         for _, setting in interleaved(["none", *drafters], repeats):
             if setting == "none":
-                runs["none"].append(_run_plain(model, tokenizer, prompt, n))
+                runs["none"].append(run_plain(model, tokenizer, prompt, n))
             else:
                 runs[setting].append(
-                    _run_spec(model, tokenizer, prompt, n, setting, "auto")
+                    run_spec(model, tokenizer, prompt, n, setting, "auto")
                 )
             progress and progress()
         rows += [_row(w, d, runs["none"], runs[d]) for d in drafters]

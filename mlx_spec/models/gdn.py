@@ -13,7 +13,7 @@ tokens; otherwise (a step, a prompt's prefill) the cache advances as
 mlx-lm's would. Its causal conv is ``models/depthwise_conv.py``'s, which
 equals the layer's ``Conv1d`` bit for bit where it runs and costs a fraction
 of it on a CPU. That restatement is the one piece of mlx-lm's code written
-again here; ``tests/test_gdn.py`` checks it against the installed mlx-lm
+again here; ``tests/models/test_gdn.py`` checks it against the installed mlx-lm
 (same output and cache as the parent's forward). A model decoding with
 mlx-lm's own caches runs the parent's forward. Rows of a batch padded at the
 end (``cache.lengths``, the batch decoder's layout) are masked as mlx-lm
