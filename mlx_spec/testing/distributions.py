@@ -173,3 +173,14 @@ def batch_first_tokens(model, rows, n_runs: int, k: int = 3, seed: int = 0):
             runs[i].append(tokens[b])
             counts[i] += decoders[i].stats.drafted, decoders[i].stats.accepted
     return [np.array(r) for r in runs], [tuple(c) for c in counts]
+
+
+# Settings whose filters change the first token's distribution on the tiny
+# checkpoints (top-p 0.8 removes nothing there), with the runs a chi-square
+# test draws and the runs that let a broken verifier's control reject.
+FILTERED_SAMPLERS = {
+    "top_p": dict(temp=0.5, top_p=0.1, top_k=8),
+    "min_p": dict(temp=1.2, min_p=0.5, top_k=8),
+}
+FILTERED_RUNS = 400
+FILTERED_CONTROL_RUNS = 150  # the controls reject at p < 1e-20 with 400 runs

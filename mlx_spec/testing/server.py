@@ -102,6 +102,18 @@ def mlx_spec_server(model, port: int, *extra: str) -> List[str]:
     ]
 
 
+@contextlib.contextmanager
+def served_checkpoint(tmp_path_factory, write, name: str, family: str, *extra: str):
+    """``mlx_spec server`` on a checkpoint that ``write(dir, family)`` makes
+    in a fresh folder (its log beside it): yields ``(model_path, port)``."""
+    path = write(tmp_path_factory.mktemp("srv") / name, family)
+    port = free_port()
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    argv = mlx_spec_server(path, port, *extra)
+    with running_server(argv, port, log=str(log)):
+        yield path, port
+
+
 def job_events(job, timeout: float = 300.0) -> list:
     """The events of an engine ``Job`` up to its ``Finished`` (or an exception,
     raised), each waited for at most ``timeout`` seconds."""

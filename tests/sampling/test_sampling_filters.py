@@ -16,6 +16,9 @@ import pytest
 from mlx_spec import SpecStats
 from mlx_spec.core.sampling import Sampler
 from mlx_spec.testing.distributions import (
+    FILTERED_CONTROL_RUNS,
+    FILTERED_RUNS,
+    FILTERED_SAMPLERS,
     discriminating_prompt,
     exact_first_tokens,
     rejects,
@@ -24,12 +27,9 @@ from mlx_spec.testing.distributions import (
     verifying_with,
 )
 
-N_RUNS = 400
-N_CONTROL_RUNS = 150  # the controls reject at p < 1e-20 with 400 runs
-SAMPLERS = {
-    "top_p": dict(temp=0.5, top_p=0.1, top_k=8),
-    "min_p": dict(temp=1.2, min_p=0.5, top_k=8),
-}
+N_RUNS = FILTERED_RUNS
+N_CONTROL_RUNS = FILTERED_CONTROL_RUNS
+SAMPLERS = FILTERED_SAMPLERS
 # Each control drops one setting from the sampler the verifier uses.
 CONTROLS = {
     "temperature ignored": ("top_p", dict(temp=1.0, top_p=0.1, top_k=8)),

@@ -19,7 +19,12 @@ import pytest
 import mlx_spec
 from mlx_spec.mlx_lm_compat import server_message_helpers
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
-from mlx_spec.testing.server import free_port, mlx_spec_server, running_server
+from mlx_spec.testing.server import (
+    free_port,
+    mlx_spec_server,
+    running_server,
+    served_checkpoint,
+)
 
 MODEL_ID = "tiny"
 PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for"
@@ -28,14 +33,15 @@ CHAT = [{"role": "user", "content": "write a loop over range(10)"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = write_tiny_checkpoint(
-        tmp_path_factory.mktemp("srv") / MODEL_ID, "qwen3_next"
-    )
-    port = free_port()
-    log = tmp_path_factory.mktemp("log") / "server.log"
-    argv = mlx_spec_server(path, port, "--num-draft-tokens", "3")
-    with running_server(argv, port, log=str(log)):
-        yield path, port
+    with served_checkpoint(
+        tmp_path_factory,
+        write_tiny_checkpoint,
+        MODEL_ID,
+        "qwen3_next",
+        "--num-draft-tokens",
+        "3",
+    ) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

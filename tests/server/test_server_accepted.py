@@ -19,7 +19,7 @@ import pytest
 from mlx_spec.mlx_lm_compat import server_message_helpers
 from mlx_spec.testing.http_client import post_json, post_stream
 from mlx_spec.testing.mtp_heads import write_predictive_checkpoint
-from mlx_spec.testing.server import free_port, mlx_spec_server, running_server
+from mlx_spec.testing.server import served_checkpoint
 
 MODEL_ID = "pred"
 PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for"
@@ -31,14 +31,15 @@ LOGPROB_TOLERANCE = 1e-4  # float32 logits of a verify pass vs one-token steps
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = write_predictive_checkpoint(
-        tmp_path_factory.mktemp("srv") / MODEL_ID, "qwen3_next"
-    )
-    port = free_port()
-    log = tmp_path_factory.mktemp("log") / "server.log"
-    argv = mlx_spec_server(path, port, "--num-draft-tokens", "3")
-    with running_server(argv, port, log=str(log)):
-        yield path, port
+    with served_checkpoint(
+        tmp_path_factory,
+        write_predictive_checkpoint,
+        MODEL_ID,
+        "qwen3_next",
+        "--num-draft-tokens",
+        "3",
+    ) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

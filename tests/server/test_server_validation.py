@@ -16,7 +16,7 @@ import pytest
 
 from mlx_spec.mlx_lm_compat import server_message_helpers
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
-from mlx_spec.testing.server import free_port, mlx_spec_server, running_server
+from mlx_spec.testing.server import served_checkpoint
 
 MODEL_ID = "tiny"
 VOCAB = 512  # the tiny checkpoint's vocab_size
@@ -27,14 +27,15 @@ ENDPOINTS = OPENAI + ("/v1/messages",)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = write_tiny_checkpoint(
-        tmp_path_factory.mktemp("srv") / MODEL_ID, "qwen3_next"
-    )
-    port = free_port()
-    log = tmp_path_factory.mktemp("log") / "server.log"
-    argv = mlx_spec_server(path, port, "--num-draft-tokens", "3")
-    with running_server(argv, port, log=str(log)):
-        yield path, port
+    with served_checkpoint(
+        tmp_path_factory,
+        write_tiny_checkpoint,
+        MODEL_ID,
+        "qwen3_next",
+        "--num-draft-tokens",
+        "3",
+    ) as served:
+        yield served
 
 
 def post(port, path, body, raw=None):
