@@ -28,7 +28,7 @@ from mlx_lm.generate import (
 from mlx_lm.generate import setup_arg_parser as generate_arg_parser
 from mlx_lm.generate import stream_generate as plain_stream_generate
 from mlx_lm.generate import wired_limit
-from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm.models import llama, qwen3_5, qwen3_next  # llama: test checkpoints
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -56,6 +56,7 @@ from mlx_lm.sample_utils import apply_top_p as _apply_top_p
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import greedy_sampler as _greedy
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
+from mlx_lm.utils import save_model
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS as DOWNLOAD_PATTERNS
 from mlx_lm.utils import _download as download_model
@@ -162,8 +163,10 @@ __all__ = [
     "mlx_lm_make_sampler",
     "normalize_qk",
     "plain_stream_generate",
+    "llama",
     "qwen3_5",
     "qwen3_next",
+    "save_model",
     "save_prompt_cache",
     "generate_arg_parser",
     "TextStateMachine",

@@ -18,7 +18,6 @@ states are ``mx.array`` [rows, H] or None.
 """
 
 from typing import (
-    TYPE_CHECKING,
     Dict,
     List,
     Optional,
@@ -29,9 +28,6 @@ from typing import (
 )
 
 import mlx.core as mx
-
-if TYPE_CHECKING:  # the head's drafting part; imported lazily (mtp imports base)
-    from .mtp import MTPDrafter
 
 Hindsight = Dict[Optional[str], Tuple[int, int]]  # source -> (hits, trials)
 DeferredPass = Tuple[mx.array, mx.array]  # tokens [n], hidden [n, H] of one pass
@@ -140,7 +136,7 @@ class HeadBased(Protocol):
     runs every such row's head steps as one forward (``core.batch_mtp``)."""
 
     @property
-    def head_drafter(self) -> "MTPDrafter":
+    def head_drafter(self):  # -> drafters.mtp.MTPDrafter (mtp imports this module)
         """The head's drafting part (the drafter itself, or one it holds)."""
 
     def needs_head_state(self, k: int) -> bool:

@@ -7,8 +7,7 @@ import pathlib
 from typing import Union
 
 import mlx.core as mx
-from mlx_lm.models import llama
-from mlx_lm.utils import save_model
+from ..mlx_lm_compat import llama, save_model
 
 from .checkpoints import TOKENIZER_VOCAB_SIZE
 from .tokenizer import tokenizer_config, tokenizer_json

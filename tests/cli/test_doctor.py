@@ -324,14 +324,14 @@ def test_broken_kernel_reference_is_reported_failing(checkpoint_dirs, monkeypatc
 
 
 def test_tokens_leaving_plain_decoding_fail_losslessness(checkpoint_dirs, monkeypatch):
-    real = lossless_part._run_spec
+    real = lossless_part.run_spec
 
     def one_token_off(*args, **kwargs):
         run = real(*args, **kwargs)
         run["tokens"][3] = (run["tokens"][3] + 1) % 400
         return run
 
-    monkeypatch.setattr(lossless_part, "_run_spec", one_token_off)
+    monkeypatch.setattr(lossless_part, "run_spec", one_token_off)
     report = run_doctor(str(checkpoint_dirs["qwen3_5"]), quick=True)
     part = report["parts"]["lossless"]
     assert part["status"] == "fail"
