@@ -1,7 +1,8 @@
 """The server's HTTP front under careless and hostile clients: framing (raw
 socket bytes), body limits, disconnects (counted in passes), the Host and
 Origin checks, CORS, the API key, graceful shutdown (real signals), the
-protocol fields of issue 49 and the ``server`` command's own flags.
+protocol fields (stop sequences, cached input tokens, echo, non-finite
+logprobs, the model id in errors) and the ``server`` command's own flags.
 
 The in-process servers share one engine whose passes a test can hold and
 count (:class:`GatedEngine`); they listen on free ports of 127.0.0.1 and stop
