@@ -51,9 +51,9 @@ class _TimedEngine(Engine):
         batch = super()._new_batch()
         step, pass_inputs, length = batch.step, batch._pass_inputs, [1]
 
-        def noting_length(drafts, T):
-            length[0] = T
-            return pass_inputs(drafts, T)
+        def noting_length(*args):
+            length[0] = args[-1]  # T, the pass's length, comes last
+            return pass_inputs(*args)
 
         def timed_step(queue_ahead: bool = True):
             length[0], tic = 1, time.perf_counter()
