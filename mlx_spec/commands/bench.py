@@ -46,6 +46,7 @@ from ..drafters import DRAFTS
 from ..generate import stream_generate
 from ..mlx_lm_compat import plain_stream_generate
 from .bench_report import format_table, lossless_report, plot
+from .model_files import load_model
 from .common import (
     MODEL_HELP,
     CommandError,
@@ -54,7 +55,6 @@ from .common import (
     check_output_file,
     command,
     draft_length,
-    load_model,
 )
 
 KINDS = ("copy", "free", "long")

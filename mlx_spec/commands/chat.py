@@ -29,6 +29,7 @@ from ..drafters import default_draft, make_drafter
 from ..generate import check_options
 from ..mlx_lm_compat import chat_arg_parser
 from ..models.pipeline import broadcast_text
+from .model_files import load_model
 from .common import (
     CommandError,
     add_penalty_flags,
@@ -38,7 +39,6 @@ from .common import (
     check_run_flags,
     command,
     join_pipeline,
-    load_model,
     logits_processors_from_flags,
     refuse_unsupported,
     sampler_from_flags,

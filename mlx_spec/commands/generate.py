@@ -10,6 +10,7 @@ from ..core.decode import SpeculativeDecoder
 from ..generate import generate, vocab_size
 from ..mlx_lm_compat import generate_arg_parser
 from ..models.mtp import MTPDisabledWarning, mtp_report
+from .model_files import load_model
 from .common import (
     CommandError,
     add_extra_eos_tokens,
@@ -20,7 +21,6 @@ from .common import (
     check_run_flags,
     command,
     join_pipeline,
-    load_model,
     logits_processors_from_flags,
     one_line,
     read_text,

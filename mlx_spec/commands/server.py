@@ -22,6 +22,7 @@ from ..drafters import default_draft
 from ..server.engine import Engine, PipelineEngine
 from ..server.http import bind, make_app, serve
 from ..server.requests import ServerContext
+from .model_files import load_model, model_name
 from .common import (
     CommandError,
     add_draft_options,
@@ -30,8 +31,6 @@ from .common import (
     command,
     join_pipeline,
     MODEL_HELP,
-    load_model,
-    model_name,
 )
 
 PROG = "mlx_spec server"

@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..commands.common import CommandError, load_model
+from ..commands.common import CommandError
+from ..commands.model_files import load_model
 from ..core.target import _lm_head
 from ..models.fingerprint import (
     SAME_WEIGHTS_COSINE,
