@@ -22,43 +22,31 @@ Resumable: a shard is built in ``<shard>.part`` (its final header first,
 then the tensors' bytes in order), so a run that was interrupted continues
 from the bytes already on disk; the file gets its final name only once it is
 complete and its header parses. A different ETag (the shard changed on the
-hub) starts the shard again.
+hub) starts the shard again. One process at a time works on a shard (a file
+lock beside it).
+
+Which bytes are the MTP tensors, and the checks of a shard's header, are
+:mod:`mlx_spec.mtp_ranges`; this module moves the bytes.
 """
 
 import json
-import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 from .hub import HubError, hub_errors
 from .models.mtp.layouts import MTP_PREFIXES
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_SHARD = "model.safetensors"
-_MAX_HEADER = 100 << 20  # the safetensors library's own bound
-_DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "U16": 2,
-    "I16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "U32": 4,
-    "I32": 4,
-    "F32": 4,
-    "U64": 8,
-    "I64": 8,
-    "F64": 8,
-}
-
-
-def is_mtp_tensor(name: str) -> bool:
-    return name.startswith(MTP_PREFIXES)
+from .mtp_ranges import (
+    INDEX_NAME,
+    SINGLE_SHARD,
+    byte_runs,
+    header_length,
+    index_shards,
+    mtp_tensors,
+    parse_header,
+    small_header,
+)
 
 
 @dataclass
@@ -72,15 +60,6 @@ class FetchResult:
     bytes_fetched: int = 0  # over the network in this run
     shard_bytes: int = 0  # the full size of the shards that hold MTP tensors
     whole_shards: List[str] = field(default_factory=list)  # ranges refused
-
-
-@dataclass
-class _Tensor:
-    name: str
-    dtype: str
-    shape: List[int]
-    start: int  # absolute offset in the shard
-    end: int
 
 
 def cache_dir(repo: str, commit: str) -> Path:
@@ -106,7 +85,7 @@ def fetch_mtp_checkpoint(
         commit = config.parent.name  # the cache's snapshots/<commit>/config.json
         try:
             index = Path(hf_hub_download(repo, INDEX_NAME, revision=commit))
-            shards = _index_shards(index)
+            shards = index_shards(index)
         except EntryNotFoundError:
             shards = [SINGLE_SHARD]  # one file: its header says what is MTP
         out = cache_dir(repo, commit)
@@ -133,18 +112,6 @@ def fetch_mtp_checkpoint(
     index_text = json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
     (out / INDEX_NAME).write_text(index_text + "\n")
     return result
-
-
-def _index_shards(index: Path) -> List[str]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        shards = {f for n, f in weight_map.items() if is_mtp_tensor(n)}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise HubError(f"{index} is not a valid safetensors index ({e})") from None
-    for shard in shards:
-        if not isinstance(shard, str) or "/" in shard or shard.startswith("."):
-            raise HubError(f"{index}: shard name {shard!r} is not a plain file name")
-    return sorted(shards)
 
 
 # ----------------------------------------------------------------- one shard
@@ -233,65 +200,6 @@ def _etag(response) -> str:
     return tag.strip().removeprefix("W/").strip('"')
 
 
-def _parse_header(name: str, raw: bytes, size: int) -> Tuple[dict, List[_Tensor]]:
-    """The metadata and tensors of a safetensors header, each tensor's byte
-    range checked against its dtype, its shape and the file size."""
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as e:
-        raise HubError(f"{name}: the safetensors header is not valid ({e})") from None
-    meta = header.pop("__metadata__", None) or {}
-    base = 8 + len(raw)
-    tensors = []
-    for tensor, info in header.items():
-        try:
-            dtype, shape = info["dtype"], [int(d) for d in info["shape"]]
-            a, b = (int(x) for x in info["data_offsets"])
-            width = _DTYPE_BYTES[dtype]
-        except (KeyError, TypeError, ValueError):
-            raise HubError(
-                f"{name}: tensor {tensor!r} has a bad header entry"
-            ) from None
-        if b - a != width * math.prod(shape) or a < 0 or base + b > size:
-            raise HubError(
-                f"{name}: tensor {tensor!r} has data_offsets {[a, b]} that do not "
-                f"fit its dtype {dtype} and shape {shape} in a {size}-byte file"
-            )
-        tensors.append(_Tensor(tensor, dtype, shape, base + a, base + b))
-    return meta, tensors
-
-
-def _small_header(meta: dict, wanted: List[_Tensor], source: str, etag: str) -> bytes:
-    """The header of the file holding only ``wanted`` (in this order)."""
-    entries, offset = {}, 0
-    for t in wanted:
-        size = t.end - t.start
-        entries[t.name] = {
-            "dtype": t.dtype,
-            "shape": t.shape,
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    metadata = {str(k): str(v) for k, v in meta.items()}
-    metadata.update({"mlx_spec.fetched_from": source, "mlx_spec.source_etag": etag})
-    text = json.dumps({"__metadata__": metadata, **entries}).encode()
-    text += b" " * (-len(text) % 8)  # aligned tensor data, as safetensors writes
-    return len(text).to_bytes(8, "little") + text
-
-
-def _runs(wanted: List[_Tensor]) -> List[Tuple[int, int]]:
-    """Byte ranges covering ``wanted`` (sorted by offset), adjacent ones joined."""
-    runs: List[Tuple[int, int]] = []
-    for t in wanted:
-        if runs and runs[-1][1] == t.start:
-            runs[-1] = (runs[-1][0], t.end)
-        else:
-            runs.append((t.start, t.end))
-    return runs
-
-
 class _Sink:
     def __init__(self, file, bar):
         self.file, self.bar = file, bar
@@ -339,18 +247,14 @@ def _fetch_shard_ranges(repo, commit, shard, out: Path, progress: bool, log):
     prefix = remote.read(0, 8)
     if prefix is None:
         return _from_whole_shard(repo, commit, shard, out, log)
-    length = int.from_bytes(prefix, "little")
-    if not 0 < length <= _MAX_HEADER or 8 + length > remote.size:
-        raise HubError(f"{remote.name}: header length {length} is not valid")
+    length = header_length(remote.name, prefix, remote.size)
     raw = remote.read(8, 8 + length)
-    meta, tensors = _parse_header(remote.name, raw, remote.size)
-    wanted = sorted(
-        (t for t in tensors if is_mtp_tensor(t.name)), key=lambda t: t.start
-    )
+    meta, tensors = parse_header(remote.name, raw, remote.size)
+    wanted = mtp_tensors(tensors)
     if not wanted:
         return [], remote.received, remote.size, False
     meta = {**meta, "mlx_spec.shard_size": remote.size}
-    head = _small_header(meta, wanted, f"{repo}@{commit}/{shard}", remote.etag)
+    head = small_header(meta, wanted, f"{repo}@{commit}/{shard}", remote.etag)
     total = sum(t.end - t.start for t in wanted)
 
     done = _resumable_bytes(part, head)
@@ -371,7 +275,7 @@ def _fetch_shard_ranges(repo, commit, shard, out: Path, progress: bool, log):
                 file.truncate(0)
                 file.write(head)
             sink, position = _Sink(file, bar), 0
-            for start, end in _runs(wanted):
+            for start, end in byte_runs(wanted):
                 size = end - start
                 if position + size > done:  # this run is not all on disk yet
                     skip = max(0, done - position)
@@ -422,21 +326,17 @@ def _from_whole_shard(repo, commit, shard, out: Path, log):
     local = Path(hf_hub_download(repo, shard, revision=commit))
     size = local.stat().st_size
     with open(local, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        if not 0 < length <= _MAX_HEADER or 8 + length > size:
-            raise HubError(f"{local}: header length {length} is not valid")
-        meta, tensors = _parse_header(str(local), f.read(length), size)
-        wanted = sorted(
-            (t for t in tensors if is_mtp_tensor(t.name)), key=lambda t: t.start
-        )
+        length = header_length(str(local), f.read(8), size)
+        meta, tensors = parse_header(str(local), f.read(length), size)
+        wanted = mtp_tensors(tensors)
         if not wanted:
             return [], size, size, True
         meta = {**meta, "mlx_spec.shard_size": size}
-        head = _small_header(meta, wanted, f"{repo}@{commit}/{shard}", "")
+        head = small_header(meta, wanted, f"{repo}@{commit}/{shard}", "")
         part = out / (shard + ".part")
         with open(part, "wb") as dst:
             dst.write(head)
-            for start, end in _runs(wanted):
+            for start, end in byte_runs(wanted):
                 f.seek(start)
                 dst.write(f.read(end - start))
     _check_complete(part, len(head) + sum(t.end - t.start for t in wanted), shard)

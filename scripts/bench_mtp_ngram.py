@@ -78,11 +78,12 @@ FIXED_RULES = ("agree", "agree_or_long", "long", "ngram_first")
 class FixedRuleDrafter(MTPNgramDrafter):
     """``mtp+ngram`` deciding copy-or-MTP by one fixed rule before drafting."""
 
-    learns_choice = False
-
     def __init__(self, head, max_ngram: int, rule: str):
         super().__init__(head, max_ngram)
         self.rule = rule
+
+    def score_decides(self):
+        return False  # the rule alone decides: no score of disagreements
 
     def prefer_copy(self, copy):
         if self.rule == "agree_or_long":

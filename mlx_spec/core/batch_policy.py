@@ -40,8 +40,9 @@ from typing import Dict, List, Sequence, Tuple
 from ..models.pipeline import from_rank0
 from .batch_mtp import head_drafter
 from .least_squares import decayed, outer, solve_linear
-from .policy import ProbeSchedule, _ProbeFields, counted_seconds, expected_tokens
+from .policy import counted_seconds, expected_tokens
 from .policy_tuning import TUNING
+from .probe_schedule import ProbeSchedule, _ProbeFields
 
 
 def _features(rows: int, T: int, head_steps: int, catch_up: int) -> List[float]:

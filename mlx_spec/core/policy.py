@@ -7,7 +7,8 @@ per-position acceptance estimates ``a_i`` (one policy per draft source), and
 :class:`~mlx_spec.core.cost_profile.CostProfile`, which timed passes correct)
 plus what this generation's passes took beyond it (a decayed least-squares
 fit of a constant, a fixed cost of drafting at all and a cost per draft).
-``k = 0`` is plain decoding; exploration is a :class:`ProbeSchedule` (one
+``k = 0`` is plain decoding; exploration is a
+:class:`~mlx_spec.core.probe_schedule.ProbeSchedule` (one
 draft now and then at ``k = 0``) and a depth probe (one draft more while the
 next position is barely tested). Constants: :mod:`.policy_tuning`; the why
 and the evidence: ``docs/auto_policy.md``.
@@ -21,6 +22,7 @@ from ..models.pipeline import from_rank0
 from .cost_profile import SHORT_CONTEXT, CostProfile, as_cost_profile
 from .least_squares import decayed, outer, solve_linear
 from .policy_tuning import TUNING
+from .probe_schedule import ProbeSchedule, _ProbeFields
 from .verify_profile import cost_profile, head_step_cost
 
 HEAD_SOURCE = "mtp"  # the draft source of the model's MTP head
@@ -92,84 +94,6 @@ def counted_seconds(seen: set, shape, seconds: float, expected: float) -> float:
         seen.add(shape)
         return seconds
     return min(seconds, TUNING.stall_bound * expected)
-
-
-class ProbeSchedule:
-    """Exploration at ``k = 0``: when a policy that drafts nothing drafts one
-    token anyway (a probe), so a workload that turns predictable is noticed.
-
-    A probe comes after ``every`` plain passes. A rejected one doubles the
-    wait (up to ``TUNING.max_probe_every``: a probe of the MTP head costs its
-    catch-up over every deferred row); an accepted one is followed by another
-    at once while the first position has little evidence, and the wait never
-    lets probes cost more than ``TUNING.probe_budget`` of the plain passes
-    between them (:meth:`space`). A first draft judged without a verify pass
-    counts as a probe (:meth:`restart`)."""
-
-    def __init__(self):
-        self.every = TUNING.probe_every  # plain passes before the next probe
-        self.waited = 0  # plain passes since the last probe
-        self.probing = False  # the last choice was a probe
-
-    def apply(self, best: int, limit: int) -> int:
-        """``best``, or one draft where a probe is due (``best == 0``)."""
-        self.probing = False
-        if best == 0 and limit > 0:
-            self.waited += 1
-            if self.waited < self.every:
-                return 0
-            self.probing = True
-        self.waited = 0
-        return max(best, int(self.probing))  # MLX refuses a bool as a slice bound
-
-    def restart(self):
-        """Evidence came without a probe: the next waits a full interval."""
-        self.waited = 0
-
-    def plain_next(self) -> bool:
-        """Whether the next choice at ``k = 0`` will not probe."""
-        return self.waited + 1 < self.every
-
-    def probed(self, accepted: bool, evidence: float):
-        """A probe's draft was verified; ``evidence``: the first position's
-        decayed trials before it."""
-        self.probing = False
-        if accepted:
-            streak = evidence + 1 < TUNING.probe_streak_evidence
-            self.every = 1 if streak else TUNING.probe_every
-        else:
-            longer = max(2 * self.every, TUNING.probe_every)
-            self.every = min(longer, TUNING.max_probe_every)
-
-    def space(self, probe_seconds: float, plain_seconds: float):
-        """A probe (not one of a streak) takes ``probe_seconds``: wait long
-        enough before the next for probes to cost at most
-        ``TUNING.probe_budget`` of the plain passes between them."""
-        if self.every <= 1:
-            return
-        extra = probe_seconds - plain_seconds
-        wait = math.ceil(extra / (TUNING.probe_budget * plain_seconds))
-        self.every = min(max(self.every, wait), TUNING.max_probe_every)
-
-
-class _ProbeFields:
-    """The schedule's fields under the names callers used before it was one
-    object (``policy.probe_every``, ``.passes_at_zero``, ``.probing``)."""
-
-    probes: ProbeSchedule
-
-    probe_every = property(
-        lambda self: self.probes.every,
-        lambda self, v: setattr(self.probes, "every", v),
-    )
-    passes_at_zero = property(
-        lambda self: self.probes.waited,
-        lambda self, v: setattr(self.probes, "waited", v),
-    )
-    probing = property(
-        lambda self: self.probes.probing,
-        lambda self, v: setattr(self.probes, "probing", v),
-    )
 
 
 class DraftLengthPolicy(_ProbeFields):

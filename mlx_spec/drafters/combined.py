@@ -42,7 +42,6 @@ class MTPNgramDrafter(Drafter):
 
     name = "mtp+ngram"
     needs_hidden = True
-    learns_choice = True  # the scored choice above; False: ``prefer_copy`` only
     head_pays = True  # False: a copy is taken without asking the head
 
     def __init__(self, head, max_ngram: int = 3):
@@ -163,18 +162,21 @@ class MTPNgramDrafter(Drafter):
 
     def _needs_head(self, copy: List[int]) -> bool:
         """Without a copy: when the head has a row. With one: when the head
-        pays, the copy is not preferred and (learning) the head has the
-        better record."""
+        pays, the copy is not preferred and (when the score decides) the head
+        has the better record."""
         if not copy:
             return self.mtp.next_logits() is not None
         if not self.head_pays or self.prefer_copy(copy):
             return False
-        return not self._learns() or self.score["mtp"] >= self.score["ngram"]
+        return not self.score_decides() or self.score["mtp"] >= self.score["ngram"]
 
-    def _learns(self) -> bool:
-        # greedy: scores compare copies with the head's argmax (the raw one
-        # under logits processors, an estimate of the processed one)
-        return self.learns_choice and not self.mtp.samples
+    def score_decides(self) -> bool:
+        """Whether the decayed score settles a disagreement between the copy
+        and the head: while greedy, where the score compares copies with the
+        head's argmax (the raw one under logits processors, an estimate of
+        the processed one). While sampling the head drafts then, so that the
+        choice never depends on the sampled draft."""
+        return not self.mtp.samples
 
     def draft(self, k: int) -> List[int]:
         return as_list(self, self.draft_tokens(k))
@@ -185,7 +187,12 @@ class MTPNgramDrafter(Drafter):
         self.mtp.check_draft_length(k)
         self._divergence = None
         copy = self.ngram.draft(k)
-        if copy and self.head_pays and self._learns() and not self.prefer_copy(copy):
+        if (
+            copy
+            and self.head_pays
+            and self.score_decides()
+            and not self.prefer_copy(copy)
+        ):
             head = int(mx.argmax(self.mtp.next_logits()).item())
             self._divergence = (copy[0], head)  # scored once the target decides
         head = self._needs_head(copy)

@@ -1,5 +1,8 @@
 """MTP drafting in the decode loop: lossless greedy, acceptance, cache rollback."""
 
+import importlib.util
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
@@ -208,15 +211,32 @@ def test_combined_uses_both_and_keeps_mtp_cache(cycle_model):
     assert stats.tokens_per_pass > mtp_stats.tokens_per_pass  # copying pays here
 
 
-@pytest.mark.parametrize("learns_choice", [True, False])
-def test_combined_lossless(models, monkeypatch, learns_choice):
-    """The scored choice, and the fixed rule it falls back to while sampling."""
-    monkeypatch.setattr(MTPNgramDrafter, "learns_choice", learns_choice)
+def _fixed_rule_drafter(head):
+    """The benchmark's ``mtp+ngram`` variant without the score: the rule the
+    runtime falls back to while sampling (scripts/ is no package: the script
+    is loaded from its file)."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_mtp_ngram.py"
+    spec = importlib.util.spec_from_file_location("bench_mtp_ngram", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FixedRuleDrafter(head, 3, "agree_or_long")
+
+
+@pytest.mark.parametrize(
+    "make, scores",
+    [(MTPNgramDrafter, True), (_fixed_rule_drafter, False)],
+    ids=["scored", "fixed_rule"],
+)
+def test_combined_lossless(models, make, scores):
+    """The scored choice, and the fixed rule it falls back to while sampling
+    (which keeps no score: the prompt has a disagreement to score)."""
     model, tok = models["qwen3_5_moe"]
     ids = tok.encode(COPY_PROMPT)
-    out, _ = run_loop(model, ids, MTPNgramDrafter(model.mtp_head), 5)
+    drafter = make(model.mtp_head)
+    out, _ = run_loop(model, ids, drafter, 5)
     ref = reference(model, tok, COPY_PROMPT)
     assert out[: len(ref)] == ref
+    assert (sum(drafter.score.values()) > 0) == scores
 
 
 def test_head_is_not_part_of_the_target(models):

@@ -407,16 +407,55 @@ def test_mtp_from_a_repo_without_mtp_tensors_is_one_line(hub, env, repos, tmp_pa
 def test_fetched_tensors_are_checked_against_the_shard_header(tmp_path):
     """A header whose offsets do not fit a tensor's dtype and shape is refused."""
     from mlx_spec.hub import HubError
-    from mlx_spec.mtp_fetch import _parse_header
+    from mlx_spec.mtp_ranges import parse_header
 
     good = {"mtp.a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}
-    _, tensors = _parse_header("x", json.dumps(good).encode(), 200)
+    _, tensors = parse_header("x", json.dumps(good).encode(), 200)
     assert (tensors[0].end - tensors[0].start) == 24
     bad = {"mtp.a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 20]}}
     with pytest.raises(HubError, match="mtp.a"):
-        _parse_header("x", json.dumps(bad).encode(), 200)
+        parse_header("x", json.dumps(bad).encode(), 200)
     with pytest.raises(HubError, match="mtp.a"):  # past the end of the file
-        _parse_header("x", json.dumps(good).encode(), 30)
+        parse_header("x", json.dumps(good).encode(), 30)
+
+
+def test_the_mtp_byte_ranges_of_a_shard_make_a_file_of_those_tensors(tmp_path):
+    """A shard's header -> its MTP tensors in byte order, adjacent ones read
+    as one range; those bytes behind the small header load as the tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    from mlx_spec.mtp_ranges import (
+        byte_runs,
+        header_length,
+        mtp_tensors,
+        parse_header,
+        small_header,
+    )
+
+    arrays = {
+        "model.embed_tokens.weight": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "mtp.fc.weight": np.arange(4, dtype=np.float16),
+        "mtp.norm.weight": np.ones(3, dtype=np.float32),
+        "z.trunk.weight": np.zeros(5, dtype=np.int8),
+    }
+    shard = tmp_path / "shard.safetensors"
+    save_file(arrays, str(shard))
+    data = shard.read_bytes()
+    length = header_length("shard", data[:8], len(data))
+    meta, tensors = parse_header("shard", data[8 : 8 + length], len(data))
+    wanted = mtp_tensors(tensors)
+    assert {t.name for t in wanted} == {"mtp.fc.weight", "mtp.norm.weight"}
+    assert wanted[0].end <= wanted[1].start  # in the order of their bytes
+    runs = byte_runs(wanted)
+    assert runs == [(wanted[0].start, wanted[1].end)]  # stored side by side
+    small = tmp_path / "small.safetensors"
+    body = b"".join(data[a:b] for a, b in runs)
+    small.write_bytes(small_header(meta, wanted, "repo@c/shard", "e") + body)
+    loaded = load_file(str(small))
+    assert sorted(loaded) == ["mtp.fc.weight", "mtp.norm.weight"]
+    for name, array in loaded.items():
+        assert array.dtype == arrays[name].dtype
+        np.testing.assert_array_equal(array, arrays[name])
 
 
 @pytest.mark.parametrize(
