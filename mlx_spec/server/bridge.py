@@ -49,8 +49,18 @@ class Mailbox:
         self._items: List[Tuple[asyncio.Queue, object]] = []
         self.posted = self.deliveries = 0  # counts, for tests and profiles
 
+    @property
+    def pending(self) -> int:
+        """Items posted and not yet delivered."""
+        return len(self._items)
+
     def post(self, queue: asyncio.Queue, item):
-        """Put ``item`` in ``queue`` on the loop's thread, soon (any thread)."""
+        """Put ``item`` in ``queue`` on the loop's thread, soon (any thread).
+        Dropped once the loop is closed: nobody is waiting any more."""
+        if self.loop.is_closed():  # a delivery it had scheduled never runs
+            with self._lock:
+                self._items.clear()
+            return
         with self._lock:
             self._items.append((queue, item))
             self.posted += 1
