@@ -40,8 +40,8 @@ class Mailbox:
     """Items other threads post to asyncio queues of one event loop, delivered
     in bursts: the first item posted schedules one delivery on the loop and
     the items posted before it runs go with it. The engine posts a pass's rows
-    one after the other, so they wake the loop once (the loop cannot run the
-    delivery while the posting thread holds the interpreter)."""
+    one after the other while it holds the interpreter, so they mostly wake the
+    loop once (at 8 clients: 3 to 5 posts a delivery, measured)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
