@@ -228,3 +228,51 @@ def test_rows_with_nothing_to_copy_queue_their_plain_passes(models, says):
         batch.step()
         queued.append(batch.queued)
     assert queued == [says] * 8
+
+
+def test_the_pair_chosen_is_the_first_fastest_by_the_cost_model():
+    """``choose`` picks the pair of draft lengths with the most expected
+    tokens a second by :meth:`PassLength.cost`, the first of equals (``k``,
+    then ``k_h``), over random fits (head steps and catch-ups included),
+    rows, acceptances, caps and fixed rows; ties come from rows that may not
+    draft. Probes are kept out of the way."""
+    from mlx_spec.core.policy import expected_tokens
+    import random
+
+    rng = random.Random(7)
+
+    def rows_of(n):
+        return [
+            ([rng.choice([0.0, rng.random()]) for _ in range(8)], rng.randrange(9))
+            for _ in range(n)
+        ]
+
+    for _ in range(300):
+        policy = PassLength(PROFILE)
+        policy.probes.every = 10**9
+        for _ in range(rng.randrange(40)):
+            policy.observe(
+                rng.choice([2, 4, 8]),
+                rng.randrange(1, 10),
+                rng.uniform(0.005, 0.08),
+                rng.randrange(4),
+                rng.randrange(300),
+            )
+        n_rows = rng.choice([2, 4, 8])
+        auto, head = rows_of(rng.randrange(n_rows)), rows_of(rng.randrange(3))
+        fixed, head_fixed = rng.choice([0, 0, 2]), rng.choice([0, 0, 1])
+        others, catch_up = float(rng.randrange(3)), rng.randrange(200)
+        limit = max((c for _, c in auto), default=0)
+        head_limit = max((c for _, c in head), default=0)
+
+        def speed(k, kh):
+            tokens = others + sum(expected_tokens(a, min(k, c)) for a, c in auto)
+            tokens += sum(expected_tokens(a, min(kh, c)) for a, c in head)
+            T = 1 + max(k, kh, fixed)
+            cost = policy.cost(n_rows, T, max(kh, head_fixed), catch_up if kh else 0)
+            return tokens / cost
+
+        pairs = [(k, kh) for k in range(limit + 1) for kh in range(head_limit + 1)]
+        best = max(pairs, key=lambda pair: speed(*pair))
+        got = policy.choose(n_rows, auto, fixed, others, head, head_fixed, catch_up)
+        assert got == best
