@@ -58,7 +58,6 @@ def speculative_generate_step(
             model, drafter, max_draft, stats=stats, **decoder_args
         )
     engine = BatchDecoder.alone(decoder)
-    engine.clock = PhaseClock(decoder.stats, timing)
     progress = prompt_progress_callback or (lambda *_: None)
     tokens = prompt.tolist()
     if decoder.drafter is not None:
@@ -82,6 +81,7 @@ def speculative_generate_step(
         logits_processors,
         seen=tokens,  # processors see this call's tokens, as mlx-lm's do
     )
+    engine.clock = PhaseClock(decoder.stats, timing)  # the passes, not the prefill
     try:  # a caller that stops early closes us at a yield: GeneratorExit
         first, done = True, False
         while not done:
