@@ -49,7 +49,7 @@ import json
 import statistics
 
 import mlx_spec
-import mlx_spec.core.decode as decode
+import mlx_spec.core.batch as engine
 import mlx_spec.models.gdn as gdn
 from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.core.policy_tuning import TUNING, PolicyTuning
@@ -84,13 +84,13 @@ _stall_bound = _tuning_switch("stall_bound", float("inf"))
 def _draft_sampler_switch(adjust):
     """A switch that, off, passes each draft sampler the decode loop makes
     through ``adjust``."""
-    made = decode.make_draft_sampler
+    made = engine.make_draft_sampler
 
     def switch(on: bool):
         def adjusted(*args):
             return adjust(made(*args))
 
-        decode.make_draft_sampler = made if on else adjusted
+        engine.make_draft_sampler = made if on else adjusted
 
     return switch
 

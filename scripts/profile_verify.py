@@ -1,6 +1,6 @@
 """Where a T-token verify pass spends its time, part by part.
 
-Decodes through a :class:`~mlx_spec.core.decode.SpeculativeDecoder` (so the
+Decodes through a :class:`~mlx_spec.core.sequence.SpeculativeDecoder` (so the
 GDN layers run their verify forward with per-token states, as in a real
 pass) and wraps each part of the model in a timer that evaluates the part's
 output before reading the clock. The forced evaluations add a little to every

@@ -2,7 +2,7 @@
 
 Across turns only the new tokens are prefilled: the target's KV and GDN state,
 the drafter's state (MTP cache, n-gram index) and the history carry over in one
-:class:`~mlx_spec.core.decode.SpeculativeDecoder`. Each turn's prompt is built as
+:class:`~mlx_spec.core.sequence.SpeculativeDecoder`. Each turn's prompt is built as
 ``mlx_lm.chat`` builds it (the chat template applied to the new user message),
 or, for a tokenizer without a chat template, the user's text as a plain
 continuation of the conversation so far.

@@ -6,7 +6,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 
-from ..core.decode import SpeculativeDecoder
+from ..core.sequence import SpeculativeDecoder
 from ..generate import generate, vocab_size
 from ..mlx_lm_compat import generate_arg_parser
 from ..models.mtp import MTPDisabledWarning, mtp_report

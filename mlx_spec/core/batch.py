@@ -1,24 +1,28 @@
-"""Batched speculative decoding: the active sequences verified in one target pass.
+"""The decode engine: the active sequences drafted, verified and committed in one pass.
 
-A :class:`BatchDecoder` decodes up to ``n_slots`` sequences. A sequence joins
-(:meth:`add`) as a prefilled single-sequence :class:`SpeculativeDecoder` and
-leaves (:meth:`take`) as one again, between passes, without changing the
-others' tokens. The batched caches hold exactly the sequences present (rows
-are appended and removed when they join and leave, so no pass computes an
-empty slot). Each :meth:`step`:
+One sequence decoded alone is a batch of one. A :class:`BatchDecoder` decodes
+up to ``n_slots`` sequences; a sequence joins (:meth:`~BatchDecoder.add`) as a
+prefilled :class:`~mlx_spec.core.sequence.SpeculativeDecoder` (which owns its
+history, prefill and drafter) and leaves (:meth:`~BatchDecoder.take`) as one
+again, between passes, without changing the others' tokens. Its rows live in
+:mod:`.row_caches`: side by side in a batch's caches (rows are appended and
+removed as they join and leave, so no pass computes an empty slot), or, for
+a sequence alone (:meth:`BatchDecoder.alone`), in its own caches. Each pass
+(:meth:`~BatchDecoder.step`, or :meth:`~BatchDecoder.verify` then
+:meth:`~BatchDecoder.commit`):
 
 1. every active row drafts with its own drafter and draft length (0 allowed);
-   the rows drafting with the model's MTP head run its steps together
-   (:class:`~mlx_spec.core.batch_mtp.MTPBatch`: one ``[B, 1]`` forward per
-   step), each getting the draft its drafter computes alone, left on the
+   in a batch, the rows drafting with the model's MTP head run its steps
+   together (:class:`~mlx_spec.core.batch_mtp.MTPBatch`: one ``[B, 1]`` forward
+   per step), each getting the draft its drafter computes alone, left on the
    device as the pass's input (the host waits once a pass, for the verdicts);
 2. the target runs once over ``[B, T]`` tokens, ``T = 1 + the longest draft``;
    shorter rows are padded at the end and masked (attention: each row sees
    only its own positions; GDN: padded tokens leave the state unchanged);
 3. each row verifies its own draft (its own logits processors, then greedy
-   or rejection sampling with its own sampler) and commits its own accepted
-   prefix: attention rows move their own offsets back, GDN rows take their
-   own per-token state.
+   or rejection sampling with its own sampler), stops at a stop token or its
+   token budget, and commits its own accepted prefix: attention rows move
+   their own offsets back, GDN rows take their own per-token state.
 
 So each row's tokens are those it would get decoded alone.
 
@@ -29,23 +33,23 @@ A row whose own sampler or logits processor raises fails alone
 
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
 from ..models.packed import pack_positions
 from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
-from .batch_policy import PassLength, draft_lengths, expected_tokens
-from .decode import NO_DRAFT, SpeculativeDecoder
-from .policy import SourcePolicies, policies_by_source
-from .verify_profile import head_step_cost, verify_cost_profile
-from .ragged_cache import RaggedKVCache
+from .batch_policy import PassLength, copies_pay, draft_lengths, plain_ahead
+from .sequence import NO_DRAFT, SpeculativeDecoder
+from .policy import SourcePolicies, make_policy
+from .row_caches import BatchCaches, RowCaches, SequenceCaches
 from .row_guard import RowFailed, RowGuard
 from .sampling import make_draft_sampler, make_sampler, scored_logprobs
-from .state import GDNSlotCache, verifiable_gdn_layers
+from .stats import PhaseClock, SpecStats
 from .target import Target, queue_after
 from .verify import verify_draft
+from .verify_profile import cost_profile
 
 
 @dataclass
@@ -63,31 +67,74 @@ class _Row:
     guard: RowGuard = field(default_factory=RowGuard)  # its callables' failure
 
 
+class _Verdict(NamedTuple):
+    """A row's part of a verified pass, until :meth:`BatchDecoder.commit`."""
+
+    drafted: int  # drafts verified
+    accepted: int  # of them, accepted
+    emitted: List[int]  # accepted drafts and the target's token, truncated
+    draft_seconds: Optional[float]  # host time drafting (None: on the device)
+
+
+@dataclass
+class _Verified:
+    """A verified pass awaiting :meth:`BatchDecoder.commit`."""
+
+    started: float  # perf_counter at the start of the pass
+    T: int
+    hidden: Optional[mx.array]  # [B, T, H]
+    verdicts: Dict[int, _Verdict]  # row index -> its part
+    contexts: Dict[int, int]  # row index -> tokens before the pass
+    took_queued: bool  # its forward was queued by the pass before
+    queued_next: bool  # it queued the next pass (its caches committed)
+    head_steps: int
+    catch_up: int
+
+
 class BatchDecoder:
     """Up to ``n_slots`` sequences decoded together, one target pass per step.
 
-    Sequences are named by the id :meth:`add` returns."""
+    Sequences are named by the id :meth:`add` returns. ``row_caches``: where
+    the rows live (default: a batch's own, :class:`BatchCaches`)."""
 
-    def __init__(self, model, n_slots: int, max_draft: int, rollback: str = "store"):
+    def __init__(
+        self,
+        model,
+        n_slots: int,
+        max_draft: int,
+        rollback: str = "store",
+        row_caches: Optional[RowCaches] = None,
+    ):
         self.model, self.n_slots, self.max_draft = model, n_slots, max_draft
-        self.caches, self.gdn, self.attention = [], [], []
         self.group = pipeline_group(model)
-        pipelined = self.group is not None
-        for gdn in verifiable_gdn_layers(model):
-            if gdn:
-                c = GDNSlotCache(max_draft + 1, rollback, pipelined=pipelined)
-                self.gdn.append(c)
-            else:
-                c = RaggedKVCache()
-                self.attention.append(c)
-            self.caches.append(c)
-        self.target = Target(model, self)
+        if row_caches is None:
+            row_caches = BatchCaches(model, max_draft, rollback, self.group is not None)
+        self.row_caches = row_caches
+        self.target = Target(model, row_caches)
         self.positions = pack_positions(model)  # MLPs and head skip the padding
         self.rows: List[_Row] = []  # the batch's rows, in cache order
         self.heads: Optional[MTPBatch] = None  # the rows' MTP heads, run together
         self.lengths: Optional[PassLength] = None  # the auto rows' shared length
+        self.clock = PhaseClock(SpecStats())  # phase timings, off by default
         self._queued = None  # (logits, hidden) of a plain pass queued ahead
+        self._verified: Optional[_Verified] = None
         self._next_id = 0
+
+    @classmethod
+    def alone(cls, decoder: SpeculativeDecoder) -> "BatchDecoder":
+        """A batch of one decoding ``decoder`` in its own caches (its KV
+        quantization and prompt cache included)."""
+        caches = SequenceCaches(decoder.cache, decoder.kv)
+        return cls(decoder.model, 1, decoder.max_draft, row_caches=caches)
+
+    @property
+    def caches(self) -> list:
+        return self.row_caches.caches
+
+    @property
+    def gdn(self) -> list:
+        """The GDN layers' caches."""
+        return [c for c in self.caches if hasattr(c, "capturing")]
 
     @property
     def active(self) -> List[int]:
@@ -114,38 +161,36 @@ class BatchDecoder:
         verify_costs: Optional[List[float]] = None,
         stop_tokens: Collection[int] = (),
         logits_processors: Optional[list] = None,
+        seen: Optional[List[int]] = None,
     ) -> int:
         """Move ``decoder`` (fed: one pending token) into the batch; its id.
-        ``logits_processors`` (mlx-lm's) see the decoder's history and the
-        row's tokens since, as mlx-lm's decoding of that history shows them."""
+        ``logits_processors`` (mlx-lm's) see ``seen`` (default: the
+        decoder's history) and the row's tokens since, as mlx-lm's decoding
+        shows them."""
         if not decoder.pending:
             raise ValueError("the decoder has no pending token: feed it first")
         if self.free == 0:
             raise RuntimeError(f"all {self.n_slots} slots are in use")
         decoder.update_drafter()
         self._unqueue()
-        for mine, theirs in zip(self.caches, decoder.cache.caches):
-            if isinstance(mine, RaggedKVCache):
-                mine.append_row(theirs)
-            else:
-                mine.append_row(theirs, len(self.rows))
-        self._join_head(decoder.drafter)
+        self.row_caches.join(decoder.cache, len(self.rows))
+        if isinstance(self.row_caches, BatchCaches):
+            self._join_head(decoder.drafter)
         guard = RowGuard()
         sampler = guard.sampler(sampler or make_sampler(0.0))
-        processors, seen = guard.processors(logits_processors), list(decoder.history)
+        processors = guard.processors(logits_processors)
+        seen = list(decoder.history if seen is None else seen)
         if decoder.drafter is not None:
             choose = make_draft_sampler(sampler, processors, seen)
             decoder.drafter.set_sampling(guard.chooser(choose))
         auto = num_draft_tokens == "auto"
         most = self.max_draft if auto else min(num_draft_tokens, self.max_draft)
         policy = None
-        if auto and decoder.drafter is not None:  # one sequence's pass costs
-            costs = verify_costs or verify_cost_profile(self.model)
-            head = head_step_cost(self.model) or 0.0
-            policy = policies_by_source(
-                costs, self.max_draft, self.group, head_cost=head
-            )
-            self.lengths = self.lengths or PassLength(costs, self.group)
+        if auto and decoder.drafter is not None:
+            policy = make_policy(self.model, verify_costs, self.group, self.max_draft)
+            if self.lengths is None:  # from a sequence's pass costs
+                costs = verify_costs or cost_profile(self.model).short
+                self.lengths = PassLength(costs, self.group)
         id, self._next_id = self._next_id, self._next_id + 1
         stops = set(stop_tokens)
         row = _Row(id, decoder, sampler, policy, most, max_tokens, stops)
@@ -167,8 +212,7 @@ class BatchDecoder:
         mtp = head_drafter(decoder.drafter)
         if self.heads is not None and mtp in self.heads:
             self.heads.leave(mtp)
-        for mine, theirs in zip(self.caches, decoder.cache.caches):
-            mine.take_row(b, theirs)
+        self.row_caches.leave(b, decoder.cache)
         return decoder
 
     def _join_head(self, drafter):
@@ -186,8 +230,15 @@ class BatchDecoder:
         """Stop sequence ``id`` (a client went away, a stop word): it stays
         until taken, and no longer decodes."""
         row = self.rows[self._index(id)]
-        self._unqueue()
+        if self._verified is None:  # else the pass's commit sees it stop
+            self._unqueue()
         row.done = True
+
+    def accepted(self, id: int) -> int:
+        """How many drafts of sequence ``id`` the pass being verified
+        accepted (its first emitted tokens)."""
+        b = self._index(id)
+        return self._verified.verdicts[b].accepted
 
     @property
     def queued(self) -> bool:
@@ -196,15 +247,26 @@ class BatchDecoder:
 
     # -- one pass ------------------------------------------------------------
     def step(self, queue_ahead: bool = True) -> Dict[int, Tuple[List[int], mx.array]]:
-        """One verify pass over the active rows: each one's emitted tokens
+        """One pass over the active rows, committed: each one's emitted tokens
         and their log-probabilities [j, V]. ``queue_ahead=False``: never queue
         the next pass (a row joins before it, which would roll it back)."""
+        out = self.verify(queue_ahead)
+        self.commit()
+        return out
+
+    def verify(self, queue_ahead: bool = True) -> Dict[int, Tuple[List[int], mx.array]]:
+        """Draft, run the target once and verify each active row: what each
+        one emits (accepted drafts, then the target's token; up to a stop
+        token or its budget) and their log-probabilities [j, V].
+        :meth:`commit` must follow before anything else changes the batch."""
+        if self._verified is not None:
+            raise RuntimeError("verify() called twice without commit()")
         active = [b for b, r in enumerate(self.rows) if not r.done]
         if len(active) < len(self.rows):
             self._unqueue()  # a row stopped in the pass that queued this one
         if not active:
             return {}
-        tic = time.perf_counter()
+        started, clock = time.perf_counter(), self.clock
         ks = draft_lengths(self.rows, active, self.lengths)  # counts this pass
         queued, self._queued = self._queued, None
         if queued is not None:  # it was started over every row's one token
@@ -217,26 +279,27 @@ class BatchDecoder:
         for b in active:
             drafts[b], seconds[b] = self._draft(self.rows[b], ks[b])
         on_device = {b for b in active if seconds[b] is None}  # heads' drafts
-        if not self._copies_pay(drafts, on_device):
+        if not copies_pay(self, drafts, on_device):
             drafts = dict.fromkeys(active, NO_DRAFT)
+        clock.lap("draft", *(drafts[b] for b in on_device))
+
         T = 1 + max(len(d) for d in drafts.values())
-        B = len(self.rows)
-        lengths = [0] * B
+        lengths = [0] * len(self.rows)
         for b in active:
             lengths[b] = 1 + len(drafts[b])
         ragged = queued is None and any(n < T for n in lengths)  # some padding
         if queued is None:
-            for c in self.gdn:
-                c.capturing = True
-                c.set_row_lengths(lengths if ragged else None)
+            self.row_caches.begin(lengths if ragged else None, T)
         with self.positions.ragged(lengths if ragged else None, T):
             logits, hidden = queued or self.target.forward_rows(
                 self._pass_inputs(drafts, seconds, T), self.positions
             )
+        clock.lap("verify", logits, hidden)
+
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, T, V]
-        ahead = queue_ahead and self._plain_ahead(active, T)
+        ahead = queue_ahead and plain_ahead(self, active, T)
         plain = self._queue_plain(logprobs) if ahead else None
-        kept, out = [0] * B, {}
+        verdicts, out = {}, {}
         for b in active:
             row, draft = self.rows[b], drafts[b]
             try:
@@ -254,22 +317,78 @@ class BatchDecoder:
                 n, token = 0, plain[b]
             draft = draft.tolist()
             emitted = self._truncate(row, draft[:n] + [token])
-            row.seen.extend(emitted)  # in place: the draft sampler reads it
-            j = len(emitted)
-            kept[b] = j + (row.done and j <= n)
-            out[row.id] = (emitted, scores[:j])
-            if row.policy:  # it learns what drafting costs, as alone
-                row.policy.update(len(draft), n, seconds[b])
-            h = None if hidden is None else hidden[b]
-            row.decoder.advance(len(draft), n, emitted, kept[b], h)
-        if plain is None:  # else committed before the next pass was queued
-            self._commit_caches(kept, T)
-        # A pass that queued the next one without running its own queued
-        # forward, or the reverse, did not time one forward (see decode.py).
-        if self.lengths is not None and (queued is None) == (plain is None):
-            elapsed = time.perf_counter() - tic
-            self.lengths.observe(B, T, elapsed, head_steps, catch_up)
+            verdicts[b] = _Verdict(len(draft), n, emitted, seconds[b])
+            out[row.id] = (emitted, scores[: len(emitted)])
+        clock.lap("sampling")
+        contexts = {b: len(self.rows[b].decoder.history) for b in active}
+        self._verified = _Verified(
+            started,
+            T,
+            hidden,
+            verdicts,
+            contexts,
+            queued is not None,
+            plain is not None,
+            head_steps,
+            catch_up,
+        )
         return out
+
+    def commit(self, kept_tokens: Optional[Dict[int, int]] = None):
+        """Keep what :meth:`verify` emitted. ``kept_tokens``: id -> how many
+        of its emitted tokens a row keeps (at least one; fewer ends the row:
+        its caller stopped reading). Every layer, the drafters and the
+        histories are left as plain decoding leaves them after those tokens;
+        a row's last token stays pending unless the row ended and the pass
+        processed it already."""
+        p, self._verified = self._verified, None
+        if p is None:
+            return
+        kept = [0] * len(self.rows)
+        for b, v in p.verdicts.items():
+            row, emitted = self.rows[b], v.emitted
+            j = (kept_tokens or {}).get(row.id, len(emitted))
+            if j < len(emitted):
+                emitted, row.done = emitted[:j], True
+            row.seen.extend(emitted)  # in place: the draft sampler reads it
+            kept[b] = j + (row.done and j <= v.accepted)  # inputs kept
+            if row.policy:  # it learns what drafting costs, as alone
+                row.policy.update(v.drafted, v.accepted, v.draft_seconds)
+            h = None if p.hidden is None else p.hidden[b]
+            row.decoder.advance(v.drafted, v.accepted, emitted, kept[b], h)
+        if not p.queued_next:  # else committed before the next was queued
+            self._commit_caches(kept, p.T)
+        if self.clock.enabled:
+            self.clock.lap("commit", [c.state for c in self.row_caches.caches])
+        # A pass that queued the next one without running its own queued
+        # forward, or the reverse, did not time one forward.
+        if p.took_queued == p.queued_next:
+            self._observe(p, time.perf_counter() - p.started)
+
+    def _observe(self, p: _Verified, seconds: float):
+        """What the pass cost, for the ``auto`` rows' cost models: the
+        batch's pass-length fit, and a row alone's own policy (it chose the
+        draft length as one sequence does)."""
+        B = len(self.rows)
+        if self.lengths is not None:
+            self.lengths.observe(B, p.T, seconds, p.head_steps, p.catch_up)
+        if B == 1 and self.rows[0].policy is not None and 0 in p.verdicts:
+            drafted = p.verdicts[0].drafted
+            self.rows[0].policy.observe_pass(drafted, seconds, p.contexts[0])
+
+    def settle(self):
+        """A pass queued ahead that will not be verified processed each
+        row's last token: keep it, so the caches hold every row's whole
+        history (as mlx-lm's do after its decoding; a row's drafter never
+        saw that token's hidden row, as after a stop token)."""
+        if self._queued is None:
+            return
+        (_, hidden), self._queued = self._queued, None
+        self._commit_caches([1] * len(self.rows), 1)
+        for b, row in enumerate(self.rows):
+            row.decoder.processed = len(row.decoder.history)
+            if hidden is not None:
+                row.decoder.last_hidden = hidden[b]
 
     def _verify_row(self, row: _Row, draft, logits, logprobs, plain):
         """``(accepted, next token, scores)`` of a row's part of the pass
@@ -290,61 +409,10 @@ class BatchDecoder:
         n, token = verify_draft(draft, scores, row.sampler, q)
         return n, token, scores
 
-    def _copies_pay(
-        self, drafts: Dict[int, mx.array], on_device: Collection[int] = ()
-    ) -> bool:
-        """Whether the copies the ``auto`` rows found are worth their pass
-        (by the batch's cost model) against a plain one. The length was
-        chosen from each row's acceptance, which counts only the drafts a row
-        made: a copy row finding no match drafts nothing, yet the pass is as
-        long as its longest row. Drafts of the head (its steps are taken),
-        of fixed-length rows and of a probe always pay; so do all drafts in
-        a pipeline, whose ranks each fit their own cost model and would have
-        to agree on every pass once more."""
-        lengths, T = self.lengths, 1 + max(len(d) for d in drafts.values())
-        pipelined = self.group is not None
-        if T == 1 or lengths is None or lengths.probing or pipelined:
-            return True
-        if len(self.rows) < 2:
-            return True  # alone, a pass is as long as its own draft
-        tokens = 0.0
-        for b, draft in drafts.items():
-            row = self.rows[b]
-            if len(draft) and (row.policy is None or b in on_device):
-                return True
-            acceptance = row.policy.active.acceptance() if row.policy else []
-            tokens += expected_tokens(acceptance, len(draft))
-        B, cost = len(self.rows), lengths.cost
-        return tokens / cost(B, T) >= len(drafts) / cost(B, 1)
-
     def _commit_caches(self, kept: List[int], T: int):
         """Every row keeps ``kept[b]`` of the pass's ``T`` inputs (0: the row
         as before the pass)."""
-        for c in self.attention:
-            c.trim_rows([T - k for k in kept])
-        for c in self.gdn:
-            c.commit(kept)
-            c.set_row_lengths(None)
-
-    def _plain_ahead(self, active: List[int], T: int) -> bool:
-        """Whether the pass after this plain one drafts nothing either: every
-        row decodes on and none drafts or probes next (its policy said so
-        before choosing), so it may be queued now. Never in a pipeline,
-        whose ranks agree on every pass."""
-        if T > 1 or len(active) < len(self.rows) or self.group is not None:
-            return False
-        alone = len(self.rows) == 1
-        for row in self.rows:
-            if row.remaining <= 1 or row.processors:
-                return False  # it finishes with this pass, or needs its history
-            if row.decoder.drafter is None or row.max_draft == 0:
-                continue
-            if row.policy is None:
-                return False  # a fixed draft length
-            policy = row.policy if alone else self.lengths
-            if not policy.next_is_plain():
-                return False
-        return True
+        self.row_caches.commit(kept, T)
 
     def _queue_plain(self, logprobs: mx.array) -> Optional[List[int]]:
         """Each row's token of this plain pass (logprobs: [B, 1, V]). This
@@ -365,22 +433,26 @@ class BatchDecoder:
         """This plain pass committed, the next one's forward over ``choices``
         [B], capturing (a row may join, leave or stop before it is read)."""
         self._commit_caches([1] * len(self.rows), 1)
-        for c in self.gdn:
-            c.capturing = True
+        self.row_caches.begin(None, 1)
         return self.target.forward_rows(choices[:, None])
 
     def _unqueue(self):
         """Roll a queued pass back (rows join, leave or stop): no row keeps a
-        token it was not given."""
-        if self._queued is not None:
+        token it was not given. A sequence's own caches took it as a plain
+        decoding step, which does not roll back: it is kept (:meth:`settle`)."""
+        if self._queued is None:
+            return
+        if isinstance(self.row_caches, SequenceCaches):
+            self.settle()
+        else:
             self._queued = None
             self._commit_caches([0] * len(self.rows), 1)
 
     def _draft(self, row: _Row, k: int) -> Tuple[mx.array, Optional[float]]:
         """The row's draft of up to ``k`` tokens ([m], lazy where drafted on
         the device) and the seconds drafting took on the host (deferred
-        drafter work excluded, as for one sequence; None for a draft made on
-        the device, whose work no host timer sees)."""
+        drafter work excluded; None for a draft made on the device, whose
+        work no host timer sees)."""
         d = row.decoder
         if k <= 0:
             return NO_DRAFT, 0.0

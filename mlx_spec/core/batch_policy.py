@@ -35,7 +35,9 @@ cost). After
 acceptance that improves is noticed.
 """
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Collection, Dict, List, Sequence, Tuple
+
+import mlx.core as mx
 
 from ..models.pipeline import from_rank0
 from .batch_mtp import head_drafter
@@ -215,17 +217,18 @@ def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int
     ks, caps, auto, heads, judged = {}, {}, [], set(), 0
     for b in active:
         row = rows[b]
-        room = min(row.max_draft, row.remaining - 1)
+        room = min(row.max_draft, row.remaining - 1, row.decoder.draft_room())
         if row.decoder.drafter is None:
             ks[b] = caps[b] = 0
             continue
         caps[b] = room if row.policy is None else min(room, row.decoder.max_draft)
         if not row.decoder.drafter.can_draft():
             caps[b] = 0  # no copy, no head row: one token, whatever its acceptance
-        # its source (heads are caught up later, together)
         if row.policy is not None:
             judged += row.policy.exchange(row.decoder.drafter)
-        source = row.decoder.draft_source(caps[b], look=False)
+        # alone, a combined drafter may run its head to name the source; in
+        # a batch the heads are caught up later, together
+        source = row.decoder.draft_source(caps[b], look=len(rows) == 1)
         head = head_drafter(row.decoder.drafter)
         if head is not None and (source == "mtp" or head is row.decoder.drafter):
             heads.add(b)
@@ -237,7 +240,7 @@ def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int
     if len(auto) == len(rows) == 1:  # alone: as one sequence
         (b,) = auto
         row = rows[b]
-        room = min(row.max_draft, row.remaining - 1)
+        room = min(row.max_draft, row.remaining - 1, row.decoder.draft_room())
         ks[b] = row.policy.active.choose(room, len(row.decoder.history))
     elif auto:
         if judged:  # as for one sequence, judgements stand in for probes
@@ -273,3 +276,53 @@ def _catch_up(rows, drafting: List[int]) -> int:
     heads = [head_drafter(row.decoder.drafter) for row in rows]
     members = sum(h is not None for h in heads)
     return members * max((heads[b].pending_rows for b in drafting), default=0)
+
+
+def copies_pay(
+    batch, drafts: Dict[int, mx.array], on_device: Collection[int] = ()
+) -> bool:
+    """Whether the copies the ``auto`` rows of ``batch`` (a
+    :class:`~mlx_spec.core.batch.BatchDecoder`) found are worth their pass
+    (by the batch's cost model) against a plain one. The length was chosen
+    from each row's acceptance, which counts only the drafts a row made: a
+    copy row finding no match drafts nothing, yet the pass is as long as its
+    longest row. Drafts of the head (its steps are taken), of fixed-length
+    rows and of a probe always pay; so do all drafts in a pipeline, whose
+    ranks each fit their own cost model and would have to agree on every
+    pass once more."""
+    lengths, T = batch.lengths, 1 + max(len(d) for d in drafts.values())
+    pipelined = batch.group is not None
+    if T == 1 or lengths is None or lengths.probing or pipelined:
+        return True
+    if len(batch.rows) < 2:
+        return True  # alone, a pass is as long as its own draft
+    tokens = 0.0
+    for b, draft in drafts.items():
+        row = batch.rows[b]
+        if len(draft) and (row.policy is None or b in on_device):
+            return True
+        acceptance = row.policy.active.acceptance() if row.policy else []
+        tokens += expected_tokens(acceptance, len(draft))
+    B, cost = len(batch.rows), lengths.cost
+    return tokens / cost(B, T) >= len(drafts) / cost(B, 1)
+
+
+def plain_ahead(batch, active: List[int], T: int) -> bool:
+    """Whether the pass after this plain one (``T == 1``) of ``batch``
+    drafts nothing either: every row decodes on and none drafts or probes
+    next (its policy said so before choosing), so it may be queued now.
+    Never in a pipeline, whose ranks agree on every pass."""
+    if T > 1 or len(active) < len(batch.rows) or batch.group is not None:
+        return False
+    alone = len(batch.rows) == 1
+    for row in batch.rows:
+        if row.remaining <= 1 or row.processors:
+            return False  # it finishes with this pass, or needs its history
+        if row.decoder.drafter is None or row.max_draft == 0:
+            continue
+        if row.policy is None:
+            return False  # a fixed draft length
+        policy = row.policy if alone else batch.lengths
+        if not policy.next_is_plain():
+            return False
+    return True

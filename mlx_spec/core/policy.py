@@ -36,16 +36,21 @@ def most_drafts(num_draft_tokens) -> int:
     return num_draft_tokens
 
 
-def make_policy(model, verify_costs: Optional[List[float]] = None, group=None):
+def make_policy(
+    model,
+    verify_costs: Optional[List[float]] = None,
+    group=None,
+    max_draft: int = MAX_AUTO_DRAFT_TOKENS,
+):
     """The auto policy for ``model`` (per draft source): from ``verify_costs``
     (one profile, no growth with context) when given, else from the model's
     :class:`~mlx_spec.core.cost_profile.CostProfile` (measured or stored, and
     corrected by the passes timed here), the MTP head's drafts starting from
     its measured step cost."""
     if verify_costs is not None:
-        return policies_by_source(verify_costs, group=group)
+        return policies_by_source(verify_costs, max_draft, group)
     head = head_step_cost(model) or 0.0
-    return policies_by_source(cost_profile(model), group=group, head_cost=head)
+    return policies_by_source(cost_profile(model), max_draft, group, head_cost=head)
 
 
 def policies_by_source(

@@ -81,12 +81,10 @@ def capture(decoder, copy_caches: bool = False, flush: bool = True) -> DecoderSt
     decoder.update_drafter()
     if flush:
         decoder.flush()
-    else:
-        decoder.settle_queued()
-        if len(decoder.pending) > 1:
-            raise ValueError(
-                f"{len(decoder.pending)} tokens are pending; at most one can be kept"
-            )
+    elif len(decoder.pending) > 1:
+        raise ValueError(
+            f"{len(decoder.pending)} tokens are pending; at most one can be kept"
+        )
     drafter = decoder.drafter
     deferred = [] if drafter is None or flush else drafter.take_deferred()
     arrays = [] if drafter is None else list(drafter.state)

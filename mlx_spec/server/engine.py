@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Union
 import mlx.core as mx
 
 from ..core.batch import BatchDecoder
-from ..core.decode import SpeculativeDecoder
+from ..core.sequence import SpeculativeDecoder
 from ..core.policy import most_drafts
 from ..core.sampling import make_sampler, xtc_special_tokens
 from ..core.snapshot import capture, restore

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, List, Set, Tuple, Union
 
-from ..core.decode import SpeculativeDecoder
+from ..core.sequence import SpeculativeDecoder
 from ..core.snapshot import capture
 from .events import Job
 from .state_cache import StateCache, common_prefix

@@ -6,7 +6,8 @@ from typing import Callable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..core.decode import SpeculativeDecoder
+from ..core.batch import BatchDecoder
+from ..core.sequence import SpeculativeDecoder
 from ..drafters import make_drafter
 from ..drafters.base import OneDraftWalk
 from ..generate import stream_generate
@@ -173,6 +174,24 @@ def run_batch(batch, rows: dict, max_steps: int = 500):
         for b, (tokens, _) in batch.step().items():
             rows[b] += tokens
     raise AssertionError("the batch did not finish")
+
+
+def decode_alone(
+    decoder, num_draft_tokens, max_tokens: int, sampler=None, max_passes=None
+) -> List[int]:
+    """``decoder`` (fed) decoded alone with a fixed draft length for up to
+    ``max_tokens`` tokens (or ``max_passes`` passes): the tokens emitted.
+    Nothing is queued ahead, so the decoder is left with its last token
+    pending, ready for more."""
+    engine = BatchDecoder.alone(decoder)
+    row = engine.add(decoder, max_tokens, sampler, num_draft_tokens)
+    out = []
+    for _ in range(max_passes or max_tokens):
+        if row not in engine.active:
+            break
+        out += engine.step(queue_ahead=False)[row][0]
+    engine.take(row)
+    return out
 
 
 def walked(hits: Sequence[bool], starts: Optional[Sequence[bool]] = None):

@@ -4,9 +4,9 @@ import mlx.core as mx
 import pytest
 
 from mlx_spec.core.batch import BatchDecoder
+from mlx_spec.core.batch_policy import copies_pay
 from mlx_spec.core.batch_policy import PassLength
 from mlx_spec.core.ragged_cache import RaggedKVCache
-from mlx_spec.core.sampling import make_sampler
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.base import Drafter
 from mlx_spec.mlx_lm_compat import make_prompt_cache
@@ -21,6 +21,7 @@ from mlx_spec.testing.reference import (
     reference_tokens,
     run_batch,
 )
+from mlx_spec.testing.reference import decode_alone
 
 EOS = 399
 
@@ -109,9 +110,7 @@ def _continue(decoder, max_tokens):
     """Plain one-token steps of a single-sequence decoder."""
     out = []
     while len(out) < max_tokens and EOS not in out:
-        emitted, _, _ = decoder.verify(0, make_sampler(0.0))
-        decoder.commit(emitted)
-        out += emitted
+        out += decode_alone(decoder, 0, max_tokens=1, max_passes=1)
     return out
 
 
@@ -307,14 +306,14 @@ def test_a_lone_copy_does_not_pay_for_its_pass(models):
     for row in batch.rows:
         row.policy.select(None).acceptance = lambda: [0.9] * 8
     lone = {0: [5, 6, 7], 1: [], 2: [], 3: []}
-    assert not batch._copies_pay(lone)
-    assert batch._copies_pay({b: [5] for b in range(4)})
-    assert batch._copies_pay(lone, on_device={0})  # the head's
+    assert not copies_pay(batch, lone)
+    assert copies_pay(batch, {b: [5] for b in range(4)})
+    assert copies_pay(batch, lone, on_device={0})  # the head's
     batch.lengths.probing = True
-    assert batch._copies_pay(lone)
+    assert copies_pay(batch, lone)
     batch.lengths.probing = False
     batch.rows[0].policy = None  # a fixed draft length
-    assert batch._copies_pay(lone)
+    assert copies_pay(batch, lone)
 
 
 def test_a_head_row_does_not_draft_up_to_a_copy_rows_length(

@@ -11,12 +11,12 @@ from mlx_spec.core import batch_mtp
 from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.batch_mtp import MTPBatch
 from mlx_spec.core.decode import SpeculativeDecoder
-from mlx_spec.core.sampling import make_sampler
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.testing.memory import PER_TOKEN_LIMIT, growth_per_token
 from mlx_spec.testing.mtp_heads import cycle_order, write_cycle_checkpoint
 from mlx_spec.testing.reference import cache_nbytes
+from mlx_spec.testing.reference import decode_alone
 
 # Context lengths: no head row yet (one token), short, longer than a pass.
 CONTEXTS = (1, 6, 40, 130)
@@ -121,13 +121,7 @@ def _alone(model, prompt, draft, k, max_tokens):
     with draft length ``k`` decodes it."""
     d = SpeculativeDecoder(model, make_drafter(draft, model), max_draft=k)
     d.feed(prompt)
-    out = []
-    while len(out) < max_tokens:
-        room = min(k, max_tokens - len(out) - 1)
-        emitted, _, _ = d.verify(room, make_sampler(0.0))
-        emitted = emitted[: max_tokens - len(out)]
-        d.commit(emitted)
-        out += emitted
+    out = decode_alone(d, k, max_tokens)
     return out, (d.stats.drafted, d.stats.accepted, d.stats.verify_passes)
 
 

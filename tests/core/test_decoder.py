@@ -12,6 +12,7 @@ from mlx_spec.testing.reference import (
     prompts,
     reference_tokens,
 )
+from mlx_spec.core.batch import BatchDecoder
 
 TURNS = [
     prompts("mixed", seed=1),
@@ -107,8 +108,8 @@ def test_feed_rejects_empty_and_step_needs_tokens(models):
     decoder = SpeculativeDecoder(model)
     with pytest.raises(ValueError, match="empty"):
         decoder.feed([])
-    with pytest.raises(ValueError, match="feed tokens first"):
-        decoder.verify(0, None)
+    with pytest.raises(ValueError, match="feed it first"):
+        BatchDecoder.alone(decoder).add(decoder, 8)
 
 
 @pytest.mark.parametrize("drafter_kind", ["none", "ngram-off", "auto-off"])

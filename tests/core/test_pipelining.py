@@ -8,7 +8,6 @@ import mlx.core as mx
 
 from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.decode import SpeculativeDecoder
-from mlx_spec.core.sampling import make_sampler
 from mlx_spec.drafters import make_drafter
 from mlx_spec.mlx_lm_compat import make_prompt_cache
 from mlx_spec.testing.reference import (
@@ -47,11 +46,12 @@ def test_decoder_evaluates_the_token_apart(models, family, monkeypatch):
     model, _ = models[family]
     decoder = SpeculativeDecoder(model, None, max_draft=4)
     decoder.feed(prompts("mixed"))
+    engine = BatchDecoder.alone(decoder)
+    engine.add(decoder, 8, num_draft_tokens=0)
     calls = _record_async_evals(monkeypatch)
-    emitted, _, _ = decoder.verify(0, make_sampler(0.0), queue_plain=True)
-    assert decoder._queued is not None, "the next plain pass was not queued"
-    assert _token_evaluated_apart(calls, decoder._queued), calls
-    decoder.commit(emitted)
+    engine.step()
+    assert engine.queued, "the next plain pass was not queued"
+    assert _token_evaluated_apart(calls, engine._queued), calls
 
 
 def test_batch_evaluates_the_tokens_apart(models, monkeypatch):

@@ -7,11 +7,11 @@ import mlx.core as mx
 import pytest
 
 from mlx_spec.core.decode import SpeculativeDecoder
-from mlx_spec.core.sampling import make_sampler
 from mlx_spec.core.snapshot import capture, restore
 from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.testing.mtp_heads import count_head_rows
+from mlx_spec.testing.reference import decode_alone
 
 
 def _decoded(model, make, passes=3):
@@ -19,9 +19,7 @@ def _decoded(model, make, passes=3):
     prompt; its head holds the last pass's accepted rows deferred."""
     decoder = SpeculativeDecoder(model, make(model.mtp_head), max_draft=2)
     decoder.feed([3 + (5 * i) % 40 for i in range(21)])
-    for _ in range(passes):
-        emitted, _, _ = decoder.verify(2, make_sampler(0.0))
-        decoder.commit(emitted)
+    decode_alone(decoder, 2, max_tokens=1000, max_passes=passes)
     return decoder
 
 

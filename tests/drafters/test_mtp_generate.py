@@ -353,7 +353,7 @@ def test_greedy_drafts_follow_the_logits_processors(models, family, monkeypatch)
     A processor that forces the successor of the last token makes every such
     draft right and the raw argmax's wrong (drafting that way is the
     control); both are lossless."""
-    import mlx_spec.core.decode as decode
+    import mlx_spec.core.batch as engine
 
     def successor(tokens, logits):  # [1, V]: the last token + 1, always
         forced = (tokens[-1].astype(mx.int32) + 1) % logits.shape[-1]
@@ -374,7 +374,7 @@ def test_greedy_drafts_follow_the_logits_processors(models, family, monkeypatch)
 
     processed = run()
     assert processed.accepted == processed.drafted > 0
-    monkeypatch.setattr(decode, "make_draft_sampler", lambda *_: None)
+    monkeypatch.setattr(engine, "make_draft_sampler", lambda *_: None)
     raw = run()
     assert raw.accepted < raw.drafted / 4
 

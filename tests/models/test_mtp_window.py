@@ -9,7 +9,6 @@ import pytest
 import mlx_spec
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.core.ragged_cache import RaggedKVCache
-from mlx_spec.core.sampling import make_sampler
 from mlx_spec.core.snapshot import capture
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.drafters import mtp_rows as mtp_module  # the head rows' chunking
@@ -21,6 +20,7 @@ from mlx_spec.models.fast_layers import _stored_rows
 from mlx_spec.models.mtp import MTPKVCache
 from mlx_spec.testing.checkpoints import FAMILIES
 from mlx_spec.testing.mtp_heads import count_head_rows, write_predictive_checkpoint
+from mlx_spec.testing.reference import decode_alone
 
 WINDOW = 5
 
@@ -285,6 +285,5 @@ def test_a_state_kept_mid_prompt_holds_the_drafters_rows(models):
     state = capture(decoder, copy_caches=True, flush=False)
     assert decoder.drafter.offset == 16 and state.drafter_arrays
     decoder.feed(list(range(20, 30)), more=True)
-    emitted, _, _ = decoder.verify(2, make_sampler(0.0))
+    decode_alone(decoder, 2, max_tokens=8, max_passes=1)
     assert decoder.drafter.verified >= 16 + 10
-    decoder.commit(emitted)

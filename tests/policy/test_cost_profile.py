@@ -129,28 +129,37 @@ def test_a_corrected_profile_is_written_back_and_read_by_the_next_process(
     assert len(measured) == 2  # short and long, measured once
 
 
-class SteppedClock:
-    """A stand-in for the decode loop's ``time``: each reading is ``step``
-    seconds after the last, so every pass takes a few steps, whatever this
-    machine's speed."""
+class PassClock:
+    """A stand-in for the engine's ``time``: each pass takes ``step``
+    seconds (its commit moves the clock on), drafting and the host's work
+    nothing, whatever this machine's speed."""
 
     def __init__(self, step: float):
         self.now, self.step = 0.0, step
 
     def perf_counter(self) -> float:
-        self.now += self.step
         return self.now
+
+    def install(self, monkeypatch, engine):
+        commit = engine.BatchDecoder.commit
+
+        def timed_commit(batch, *args, **kwargs):
+            self.now += self.step
+            return commit(batch, *args, **kwargs)
+
+        monkeypatch.setattr(engine, "time", self)
+        monkeypatch.setattr(engine.BatchDecoder, "commit", timed_commit)
 
 
 def generate_on_a_busy_profile(models, monkeypatch, tmp_path, runs=2):
     """Generations with ``auto`` on a model whose profile was measured on a
-    busy machine (injected), every pass timed by a stepped clock (a plain
-    pass: 4 ms, far under the profile's 20), a drafter accepted 0.6 of the
+    busy machine (injected), every pass timed by a clock on which it takes 4 ms (a
+    plain pass far under the profile's 20), a drafter accepted 0.6 of the
     time; checks each output is the target's. Returns the stored short
     profile and each run's accepted drafts."""
     import mlx.core as mx
 
-    import mlx_spec.core.decode as decode
+    import mlx_spec.core.batch as engine
     from mlx_spec.core.decode import speculative_generate_step
     from mlx_spec.testing.reference import OracleDrafter, prompts, reference_tokens
 
@@ -161,7 +170,7 @@ def generate_on_a_busy_profile(models, monkeypatch, tmp_path, runs=2):
         return list(BUSY[:max_tokens]) if context == 32 else [2 * c for c in BUSY]
 
     monkeypatch.setattr(verify_profile, "measure_verify_costs", measure)
-    monkeypatch.setattr(decode, "time", SteppedClock(2e-3))
+    PassClock(4e-3).install(monkeypatch, engine)
     model, tok = models["qwen3_next"]
     prompt = prompts("mixed")
     sequence = prompt + reference_tokens(model, tok, prompt, 80)

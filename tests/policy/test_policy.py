@@ -361,30 +361,31 @@ def test_passes_are_timed_only_over_their_own_forward(models, monkeypatch):
     exactly one (a biased pass cost made the choice flip at every pass)."""
     import mlx.core as mx
 
-    from mlx_spec.core.decode import SpeculativeDecoder, speculative_generate_step
+    from mlx_spec.core.batch import BatchDecoder
+    from mlx_spec.core.decode import speculative_generate_step
     from mlx_spec.core.target import Target
 
     model, tok = models["qwen3_next"]
     prompt = prompts("mixed")
     sequence = prompt + reference_tokens(model, tok, prompt, 60)
     forwards, window, observed = [0], [0], []
-    forward, verify = Target.forward, SpeculativeDecoder.verify
+    forward, verify = Target.forward_rows, BatchDecoder.verify
     observe = DraftLengthPolicy.observe_pass
 
-    def count_forward(self, tokens):
+    def count_forward(self, *args):
         forwards[0] += 1
-        return forward(self, tokens)
+        return forward(self, *args)
 
-    def mark_verify(self, *args):
+    def mark_verify(self, *args, **kwargs):
         window[0] = forwards[0]
-        return verify(self, *args)
+        return verify(self, *args, **kwargs)
 
     def spy_observe(self, n_drafted, seconds, context=policy.SHORT_CONTEXT):
         observed.append((n_drafted, forwards[0] - window[0]))
         return observe(self, n_drafted, seconds, context)
 
-    monkeypatch.setattr(Target, "forward", count_forward)
-    monkeypatch.setattr(SpeculativeDecoder, "verify", mark_verify)
+    monkeypatch.setattr(Target, "forward_rows", count_forward)
+    monkeypatch.setattr(BatchDecoder, "verify", mark_verify)
     monkeypatch.setattr(DraftLengthPolicy, "observe_pass", spy_observe)
     steps = speculative_generate_step(
         mx.array(prompt),
