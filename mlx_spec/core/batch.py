@@ -32,7 +32,7 @@ A row whose own sampler or logits processor raises fails alone
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Collection, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
@@ -40,31 +40,16 @@ import mlx.core as mx
 from ..models.packed import pack_positions
 from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
+from .batch_row import BatchRow
 from .batch_policy import PassLength, copies_pay, draft_lengths, plain_ahead
 from .sequence import NO_DRAFT, SpeculativeDecoder
-from .policy import SourcePolicies, make_policy
+from .policy import make_policy
 from .row_caches import BatchCaches, RowCaches, SequenceCaches
 from .row_guard import RowFailed, RowGuard
-from .sampling import make_draft_sampler, make_sampler, scored_logprobs
+from .sampling import make_draft_sampler, make_sampler
 from .stats import PhaseClock, SpecStats
 from .target import Target, queue_after
-from .verify import verify_draft
 from .verify_profile import cost_profile
-
-
-@dataclass
-class _Row:
-    id: int
-    decoder: SpeculativeDecoder  # its drafter, history and stats
-    sampler: object
-    policy: Optional[SourcePolicies]  # auto: a draft-length policy per source
-    max_draft: int
-    remaining: int  # tokens it may still emit
-    stop_tokens: Collection[int] = field(default_factory=set)
-    processors: list = field(default_factory=list)  # mlx-lm logits processors
-    seen: List[int] = field(default_factory=list)  # the tokens processors see
-    done: bool = False
-    guard: RowGuard = field(default_factory=RowGuard)  # its callables' failure
 
 
 class _Verdict(NamedTuple):
@@ -112,7 +97,7 @@ class BatchDecoder:
         self.row_caches = row_caches
         self.target = Target(model, row_caches)
         self.positions = pack_positions(model)  # MLPs and head skip the padding
-        self.rows: List[_Row] = []  # the batch's rows, in cache order
+        self.rows: List[BatchRow] = []  # the batch's rows, in cache order
         self.heads: Optional[MTPBatch] = None  # the rows' MTP heads, run together
         self.lengths: Optional[PassLength] = None  # the auto rows' shared length
         self.clock = PhaseClock(SpecStats())  # phase timings, off by default
@@ -193,7 +178,7 @@ class BatchDecoder:
                 self.lengths = PassLength(costs, self.group)
         id, self._next_id = self._next_id, self._next_id + 1
         stops = set(stop_tokens)
-        row = _Row(id, decoder, sampler, policy, most, max_tokens, stops)
+        row = BatchRow(id, decoder, sampler, policy, most, max_tokens, stops)
         row.processors, row.seen, row.guard = processors, seen, guard
         self.rows.append(row)
         return id
@@ -277,7 +262,7 @@ class BatchDecoder:
             head_steps, catch_up = self.heads.draft_rows(drafting)
         drafts, seconds = {}, {}  # b -> [m] draft; None: made on the device
         for b in active:
-            drafts[b], seconds[b] = self._draft(self.rows[b], ks[b])
+            drafts[b], seconds[b] = self.rows[b].draft(ks[b], self.heads)
         on_device = {b for b in active if seconds[b] is None}  # heads' drafts
         if not copies_pay(self, drafts, on_device):
             drafts = dict.fromkeys(active, NO_DRAFT)
@@ -303,12 +288,11 @@ class BatchDecoder:
         for b in active:
             row, draft = self.rows[b], drafts[b]
             try:
-                n, token, scores = self._verify_row(
-                    row,
+                n, token, scores = row.verify(
                     draft,
                     logits[b, : lengths[b]],
                     logprobs[b, : lengths[b]],
-                    plain,
+                    plain is not None,
                 )
             except RowFailed:  # it keeps nothing of the pass; the others go on
                 row.done = True
@@ -316,7 +300,7 @@ class BatchDecoder:
             if plain is not None:  # sampled as verify_draft samples a plain pass
                 n, token = 0, plain[b]
             draft = draft.tolist()
-            emitted = self._truncate(row, draft[:n] + [token])
+            emitted = row.truncate(draft[:n] + [token])
             verdicts[b] = _Verdict(len(draft), n, emitted, seconds[b])
             out[row.id] = (emitted, scores[: len(emitted)])
         clock.lap("sampling")
@@ -390,25 +374,6 @@ class BatchDecoder:
             if hidden is not None:
                 row.decoder.last_hidden = hidden[b]
 
-    def _verify_row(self, row: _Row, draft, logits, logprobs, plain):
-        """``(accepted, next token, scores)`` of a row's part of the pass
-        (its ``logits`` and ``logprobs`` [1 + len(draft), V]; ``scores``:
-        the log-probabilities it samples from); ``plain`` (the tokens of a
-        plain pass queued ahead): the row's token is chosen already (None
-        here). Raises :class:`RowFailed` when the row's own sampler or
-        logits processors raise, now or while it drafted."""
-        if row.guard.error is not None:
-            raise RowFailed(row.guard.error)
-        scores = logprobs
-        if row.processors:
-            drafted = draft.tolist()  # processors see host token lists
-            scores = scored_logprobs(logits, row.seen, drafted, row.processors)
-        if plain is not None:
-            return 0, None, scores
-        q = row.decoder.drafter.draft_probs if len(draft) else None
-        n, token = verify_draft(draft, scores, row.sampler, q)
-        return n, token, scores
-
     def _commit_caches(self, kept: List[int], T: int):
         """Every row keeps ``kept[b]`` of the pass's ``T`` inputs (0: the row
         as before the pass)."""
@@ -448,21 +413,6 @@ class BatchDecoder:
             self._queued = None
             self._commit_caches([0] * len(self.rows), 1)
 
-    def _draft(self, row: _Row, k: int) -> Tuple[mx.array, Optional[float]]:
-        """The row's draft of up to ``k`` tokens ([m], lazy where drafted on
-        the device) and the seconds drafting took on the host (deferred
-        drafter work excluded; None for a draft made on the device, whose
-        work no host timer sees)."""
-        d = row.decoder
-        if k <= 0:
-            return NO_DRAFT, 0.0
-        if head_drafter(d.drafter) not in (self.heads or ()):
-            d.drafter.catch_up()
-        tic = time.perf_counter()
-        draft = d.next_draft(k)
-        on_device = draft.size > 0 and d.drafter.drafted_on_device
-        return draft, None if on_device else time.perf_counter() - tic
-
     def _pass_inputs(
         self, drafts: Dict[int, mx.array], seconds: Dict[int, Optional[float]], T: int
     ) -> mx.array:
@@ -479,13 +429,3 @@ class BatchDecoder:
             if seconds[b] is None and draft.size:
                 inputs[b, 1 : 1 + draft.size] = draft
         return inputs
-
-    def _truncate(self, row: _Row, emitted: List[int]) -> List[int]:
-        """``emitted`` up to a stop token or the row's token budget."""
-        stop = next((i for i, t in enumerate(emitted) if t in row.stop_tokens), None)
-        if stop is not None:
-            emitted, row.done = emitted[: stop + 1], True
-        if len(emitted) >= row.remaining:
-            emitted, row.done = emitted[: row.remaining], True
-        row.remaining -= len(emitted)
-        return emitted

@@ -47,7 +47,13 @@ from .policy_tuning import TUNING
 from .probe_schedule import ProbeSchedule, _ProbeFields
 
 # expected_tokens: the batch reads a row's expected tokens from here too
-__all__ = ["PassLength", "draft_lengths", "expected_tokens"]
+__all__ = [
+    "PassLength",
+    "copies_pay",
+    "draft_lengths",
+    "expected_tokens",
+    "plain_ahead",
+]
 
 
 def _features(rows: int, T: int, head_steps: int, catch_up: int) -> List[float]:

@@ -124,12 +124,12 @@ def verifying_with(monkeypatch, wrong_sampler):
     """Negative controls: every pass with drafts (one sequence or a batch)
     is verified against ``wrong_sampler``'s distribution instead of the
     row's own; drafting and plain passes are unchanged."""
-    from ..core import batch, verify
+    from ..core import batch_row, verify
 
     def verify_draft(draft, logprobs, sampler, draft_probs=None):
         return verify.verify_draft(draft, logprobs, wrong_sampler, draft_probs)
 
-    monkeypatch.setattr(batch, "verify_draft", verify_draft)  # the one engine
+    monkeypatch.setattr(batch_row, "verify_draft", verify_draft)  # the one engine
 
 
 def rejects(pvalues) -> bool:

@@ -1,0 +1,84 @@
+"""One row of the engine: a sequence's own part of every pass.
+
+Each row of a :class:`~mlx_spec.core.batch.BatchDecoder` brings its own
+sampler, logits processors, stop tokens, token budget and draft-length
+policy. What the engine does once per row in a pass is here: its draft, the
+verdict on it from its own slice of the pass's logits, and where its emitted
+tokens stop.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Collection, List, Optional, Tuple
+
+import mlx.core as mx
+
+from .batch_mtp import MTPBatch, head_drafter
+from .policy import SourcePolicies
+from .row_guard import RowFailed, RowGuard
+from .sampling import scored_logprobs
+from .sequence import NO_DRAFT, SpeculativeDecoder
+from .verify import verify_draft
+
+
+@dataclass
+class BatchRow:
+    id: int
+    decoder: SpeculativeDecoder  # its drafter, history and stats
+    sampler: object
+    policy: Optional[SourcePolicies]  # auto: a draft-length policy per source
+    max_draft: int
+    remaining: int  # tokens it may still emit
+    stop_tokens: Collection[int] = field(default_factory=set)
+    processors: list = field(default_factory=list)  # mlx-lm logits processors
+    seen: List[int] = field(default_factory=list)  # the tokens processors see
+    done: bool = False
+    guard: RowGuard = field(default_factory=RowGuard)  # its callables' failure
+
+    def draft(
+        self, k: int, heads: Optional[MTPBatch]
+    ) -> Tuple[mx.array, Optional[float]]:
+        """Up to ``k`` drafts ([m], lazy where drafted on the device) and the
+        seconds drafting took on the host (deferred drafter work excluded;
+        None for a draft made on the device, whose work no host timer sees).
+        ``heads``: the batch's MTP heads, which caught this row's up already
+        if it is theirs."""
+        d = self.decoder
+        if k <= 0:
+            return NO_DRAFT, 0.0
+        if head_drafter(d.drafter) not in (heads or ()):
+            d.drafter.catch_up()
+        tic = time.perf_counter()
+        draft = d.next_draft(k)
+        on_device = draft.size > 0 and d.drafter.drafted_on_device
+        return draft, None if on_device else time.perf_counter() - tic
+
+    def verify(self, draft: mx.array, logits, logprobs, plain: bool):
+        """``(accepted, next token, scores)`` of the row's part of the pass
+        (its ``logits`` and ``logprobs`` [1 + len(draft), V]; ``scores``:
+        the log-probabilities it samples from); ``plain``: a plain pass
+        queued ahead chose the row's token already (None here). Raises
+        :class:`RowFailed` when the row's own sampler or logits processors
+        raise, now or while it drafted."""
+        if self.guard.error is not None:
+            raise RowFailed(self.guard.error)
+        scores = logprobs
+        if self.processors:
+            drafted = draft.tolist()  # processors see host token lists
+            scores = scored_logprobs(logits, self.seen, drafted, self.processors)
+        if plain:
+            return 0, None, scores
+        q = self.decoder.drafter.draft_probs if len(draft) else None
+        n, token = verify_draft(draft, scores, self.sampler, q)
+        return n, token, scores
+
+    def truncate(self, emitted: List[int]) -> List[int]:
+        """``emitted`` up to a stop token or the row's token budget (the row
+        is done when either ends it)."""
+        stop = next((i for i, t in enumerate(emitted) if t in self.stop_tokens), None)
+        if stop is not None:
+            emitted, self.done = emitted[: stop + 1], True
+        if len(emitted) >= self.remaining:
+            emitted, self.done = emitted[: self.remaining], True
+        self.remaining -= len(emitted)
+        return emitted
