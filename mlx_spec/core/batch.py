@@ -173,7 +173,7 @@ class BatchDecoder:
         policy = None
         if auto and decoder.drafter is not None:
             policy = make_policy(self.model, verify_costs, self.group, self.max_draft)
-            if self.lengths is None:  # from a sequence's pass costs
+            if self.lengths is None and self.n_slots > 1:  # from one's pass costs
                 costs = verify_costs or cost_profile(self.model).short
                 self.lengths = PassLength(costs, self.group)
         id, self._next_id = self._next_id, self._next_id + 1

@@ -13,6 +13,7 @@ from typing import Collection, List, Optional, Tuple
 
 import mlx.core as mx
 
+from ..drafters.contract import HeadBased
 from .batch_mtp import MTPBatch, head_drafter
 from .policy import SourcePolicies
 from .row_guard import RowFailed, RowGuard
@@ -46,12 +47,19 @@ class BatchRow:
         d = self.decoder
         if k <= 0:
             return NO_DRAFT, 0.0
-        if head_drafter(d.drafter) not in (heads or ()):
+        if head_drafter(d.drafter) not in (heads or ()) and self._reads_head(k):
             d.drafter.catch_up()
         tic = time.perf_counter()
         draft = d.next_draft(k)
         on_device = draft.size > 0 and d.drafter.drafted_on_device
         return draft, None if on_device else time.perf_counter() - tic
+
+    def _reads_head(self, k: int) -> bool:
+        """Whether the next draft of ``k`` reads the head's state, which is
+        then caught up before the draft is timed (a full copy of
+        ``mtp+ngram`` does not: the head's rows stay deferred)."""
+        drafter = self.decoder.drafter
+        return not isinstance(drafter, HeadBased) or drafter.needs_head_state(k)
 
     def verify(self, draft: mx.array, logits, logprobs, plain: bool):
         """``(accepted, next token, scores)`` of the row's part of the pass
