@@ -104,12 +104,16 @@ class PrefillQueue:
 
     def feed(self, budget: int, admit: Callable[[Joining], None]) -> List[Job]:
         """Feed the joining prompts ``budget`` tokens, stopping at each length
-        where a state is to be kept; ``admit`` each prompt fed whole. Returns
-        the waiting jobs whose prefix is now kept (or whose prefill ended), to
-        start again."""
+        where a state is to be kept; ``admit`` each prompt fed whole; drop
+        one whose job was cancelled (between chunks). Returns the waiting jobs
+        whose prefix is now kept (or whose prefill ended), to start again."""
         released = []
         while self.joining:
             j = self.joining[0]
+            if j.job.cancelled:  # its client left: the rest is not prefilled
+                released += self._release(j, True)
+                self.joining.popleft()
+                continue
             stop = min((m for m in j.marks if m > j.fed), default=len(j.prompt))
             n = min(self.chunk, budget, stop - j.fed)
             if j.todo and n == 0:

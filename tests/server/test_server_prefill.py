@@ -191,3 +191,22 @@ def test_the_drafter_gets_a_prompts_chunks_at_once_where_a_state_is_kept(
     kept = states.lookup("mtp", prompt[:40] + [1])
     assert kept.history == prompt[:40] and kept.drafter_arrays
     assert kept.drafter_arrays[0].shape[2] == 39  # the head's rows up to there
+
+
+def test_a_prompt_whose_client_left_is_not_prefilled_further(models):
+    """A job cancelled while its prompt is prefilled: the next feed drops it
+    at the chunk boundary (nothing more fed, never admitted), and a job
+    waiting to share its prefix starts again on its own."""
+    model, _ = models["qwen3_next"]
+    queue = PrefillQueue(StateCache(1 << 30), chunk=8)
+    prompt = prompts("random", n=120, seed=5)
+    j = _joining(model, prompt, 16)
+    queue.joining.append(j)
+    other = Job(prompt[:90] + [(prompt[90] + 1) % 256, 5], GenerationParams(4))
+    assert queue.wait_to_share(other, "ngram", 0)
+    admitted = []
+    assert queue.feed(8, admitted.append) == []  # one chunk: it goes on
+    assert j.fed == 24
+    j.job.cancel()
+    assert queue.feed(64, admitted.append) == [other]
+    assert j.fed == 24 and not admitted and not queue.joining and not queue.waiting
