@@ -252,7 +252,8 @@ class BatchDecoder:
         if not active:
             return {}
         started, clock = time.perf_counter(), self.clock
-        ks = draft_lengths(self.rows, active, self.lengths)  # counts this pass
+        # counts this pass
+        ks = draft_lengths(self.rows, active, self.lengths, self.heads or ())
         queued, self._queued = self._queued, None
         if queued is not None:  # it was started over every row's one token
             ks = dict.fromkeys(active, 0)

@@ -210,7 +210,9 @@ def _group_tokens(group: List[Tuple[Sequence[float], int]], n: int) -> List[floa
     return [sum(r[min(k, len(r) - 1)] for r in running) for k in range(n)]
 
 
-def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int]:
+def draft_lengths(
+    rows, active: List[int], lengths: PassLength, batch_heads=()
+) -> Dict[int, int]:
     """Each active row's draft length (``rows``: a
     :class:`~mlx_spec.core.batch.BatchDecoder`'s rows; ``active``: the indices
     of those decoding). A fixed number stays; ``auto`` rows share the lengths
@@ -219,7 +221,9 @@ def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int
     policy's choice). Then a copy row drafting less than the longest draft
     drafts up to that length as far as it may: the pass computes every row
     over the same ``1 + longest`` positions, so those drafts cost nothing. A
-    head row's would not: each of its drafts is a head step."""
+    head row's would not: each of its drafts is a head step. ``batch_heads``:
+    the MTP drafters whose heads the batch runs together (their state is
+    the batch's until it catches them up)."""
     ks, caps, auto, heads, judged = {}, {}, [], set(), 0
     for b in active:
         row = rows[b]
@@ -232,10 +236,11 @@ def draft_lengths(rows, active: List[int], lengths: PassLength) -> Dict[int, int
             caps[b] = 0  # no copy, no head row: one token, whatever its acceptance
         if row.policy is not None:
             judged += row.policy.exchange(row.decoder.drafter)
-        # alone, a combined drafter may run its head to name the source; in
-        # a batch the heads are caught up later, together
-        source = row.decoder.draft_source(caps[b], look=len(rows) == 1)
+        # alone on its own head, a combined drafter may run the head to name
+        # the source; a head the batch holds is caught up later, with the others
         head = head_drafter(row.decoder.drafter)
+        look = len(rows) == 1 and head not in batch_heads
+        source = row.decoder.draft_source(caps[b], look=look)
         if head is not None and (source == "mtp" or head is row.decoder.drafter):
             heads.add(b)
         if row.policy is None:

@@ -200,3 +200,32 @@ def test_memory_flat_while_rows_draft_with_the_head(cycle_model):
     stats = batch.take(ids[0]).stats
     assert stats.accepted > 0.8 * stats.drafted
     assert growth_per_token(at, readings) < PER_TOKEN_LIMIT, readings
+
+
+def test_a_lone_row_never_runs_the_head_the_batch_holds(models, monkeypatch):
+    """One ``mtp+ngram`` row in a batch that could hold more, with a partial
+    copy and deferred head rows: its head's cache is the batch's, so naming
+    the draft's source must not run the head on the row's own (moved-out)
+    cache, which would lose the deferred rows from the batch's cache."""
+    from mlx_spec.core.batch_policy import draft_lengths
+    from mlx_spec.drafters.mtp_rows import HeadRows
+    from mlx_spec.testing.reference import fed_decoder
+
+    model, _ = models["qwen3_next"]
+    run = HeadRows.run
+
+    def checked_run(rows, *args, **kwargs):
+        assert rows.cache is not None, "the head ran without its cache"
+        return run(rows, *args, **kwargs)
+
+    batch = BatchDecoder(model, n_slots=4, max_draft=8)
+    drafter = make_drafter("mtp+ngram", model)
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3]
+    batch.add(fed_decoder(model, prompt, drafter, 8), 16)
+    hidden = mx.random.normal((1, model.mtp_head.hidden_size))
+    drafter.accept([4], hidden)  # a pass's row, deferred; [3, 4]: a partial match
+    assert drafter.ngram.draft(3) and drafter.mtp.pending_rows > 0
+    assert drafter.ngram.match_length() < drafter.ngram.max_ngram
+    monkeypatch.setattr(HeadRows, "run", checked_run)
+    draft_lengths(batch.rows, [0], batch.lengths, batch.heads)
+    assert drafter.mtp.pending_rows > 0  # left for the batch's catch-up
