@@ -274,6 +274,9 @@ def gpu_like_costs(monkeypatch):
     the shape of a memory-bound GPU decode) and ignore the passes' own timings,
     so decisions do not depend on how busy this machine is."""
     monkeypatch.setattr(DraftLengthPolicy, "observe_pass", lambda *a, **k: None)
+    # A fresh cache: the model's cost profile, built by an earlier test and
+    # corrected by its timed passes, would otherwise stand for the pinned one.
+    monkeypatch.setattr(verify_profile, "_profiles", {})
 
     def pin(model):
         costs = [1e-3 * (1 + 0.05 * t) for t in range(MAX_AUTO_DRAFT_TOKENS + 1)]
