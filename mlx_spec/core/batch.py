@@ -119,7 +119,7 @@ class BatchDecoder:
     @property
     def gdn(self) -> list:
         """The GDN layers' caches."""
-        return [c for c in self.caches if hasattr(c, "capturing")]
+        return self.row_caches.gdn
 
     @property
     def active(self) -> List[int]:
@@ -159,7 +159,7 @@ class BatchDecoder:
         decoder.update_drafter()
         self._unqueue()
         self.row_caches.join(decoder.cache, len(self.rows))
-        if isinstance(self.row_caches, BatchCaches):
+        if self.row_caches.shared:
             self._join_head(decoder.drafter)
         guard = RowGuard()
         sampler = guard.sampler(sampler or make_sampler(0.0))
@@ -408,7 +408,7 @@ class BatchDecoder:
         decoding step, which does not roll back: it is kept (:meth:`settle`)."""
         if self._queued is None:
             return
-        if isinstance(self.row_caches, SequenceCaches):
+        if not self.row_caches.shared:
             self.settle()
         else:
             self._queued = None

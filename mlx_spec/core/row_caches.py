@@ -25,7 +25,10 @@ class RowCaches(Protocol):
     """What the engine needs of the caches its rows live in."""
 
     caches: list  # per layer, what the target's forward takes as ``cache``
-    max_rows: Optional[int]  # most rows it can hold (None: any)
+    gdn: list  # the GDN layers' caches among them
+    # Rows of several sequences side by side (their MTP heads run together,
+    # and a plain pass rolls back), or one sequence's own caches.
+    shared: bool
 
     def join(self, cache: SpeculativeCache, rows_before: int) -> None:
         """Take one sequence's caches in as the last row."""
@@ -45,7 +48,7 @@ class RowCaches(Protocol):
 class BatchCaches:
     """Rows of several sequences, each at its own offset (see module)."""
 
-    max_rows = None
+    shared = True
 
     def __init__(self, model, max_draft: int, rollback: str, pipelined: bool):
         self.caches, self.gdn, self.attention = [], [], []
@@ -88,11 +91,11 @@ class SequenceCaches:
     quantization, applied after every pass as plain decoding applies it
     after every step."""
 
-    max_rows = 1
+    shared = False
 
     def __init__(self, cache: SpeculativeCache, kv=(None, 64, 0)):
         self.cache, self.kv = cache, kv
-        self.caches = cache.caches
+        self.caches, self.gdn = cache.caches, cache.gdn
         self.captured = False  # whether the GDN layers capture this pass
 
     def join(self, cache: SpeculativeCache, rows_before: int):
@@ -106,7 +109,7 @@ class SequenceCaches:
         # A one-token pass runs as a plain decoding step (mlx-lm's recurrence,
         # nothing captured): kept whole, as a sequence alone always keeps it.
         self.captured = T > 1
-        for c in self.cache.gdn:
+        for c in self.gdn:
             c.capturing = self.captured
 
     def commit(self, kept: List[int], T: int):
@@ -121,7 +124,7 @@ class SequenceCaches:
             if k < T:
                 c.trim(T - k)
         if self.captured:
-            for c in self.cache.gdn:
+            for c in self.gdn:
                 c.commit(kept)
         self.captured = False
         kv_bits, group_size, start = self.kv
