@@ -43,13 +43,19 @@ from .batch_mtp import MTPBatch, head_drafter
 from .batch_row import BatchRow
 from .batch_policy import PassLength, copies_pay, draft_lengths, plain_ahead
 from .sequence import NO_DRAFT, SpeculativeDecoder
-from .policy import make_policy
+from .pass_cost import PassCost, PassShape
+from .policy import make_policy, pass_cost_model
 from .row_caches import BatchCaches, RowCaches, SequenceCaches
 from .row_guard import RowFailed, RowGuard
 from .sampling import make_draft_sampler, make_sampler
 from .stats import PhaseClock, SpecStats
 from .target import Target, queue_after
-from .verify_profile import cost_profile
+
+
+def _own_head_rows(row: BatchRow) -> int:
+    """Rows a row's own MTP head has to catch up on before it drafts."""
+    head = head_drafter(row.decoder.drafter)
+    return head.pending_rows if head is not None else 0
 
 
 class _Verdict(NamedTuple):
@@ -58,7 +64,6 @@ class _Verdict(NamedTuple):
     drafted: int  # drafts verified
     accepted: int  # of them, accepted
     emitted: List[int]  # accepted drafts and the target's token, truncated
-    draft_seconds: Optional[float]  # host time drafting (None: on the device)
 
 
 @dataclass
@@ -72,8 +77,7 @@ class _Verified:
     contexts: Dict[int, int]  # row index -> tokens before the pass
     took_queued: bool  # its forward was queued by the pass before
     queued_next: bool  # it queued the next pass (its caches committed)
-    head_steps: int
-    catch_up: int
+    shape: PassShape  # what it computed, for the cost model
 
 
 class BatchDecoder:
@@ -99,6 +103,7 @@ class BatchDecoder:
         self.positions = pack_positions(model)  # MLPs and head skip the padding
         self.rows: List[BatchRow] = []  # the batch's rows, in cache order
         self.heads: Optional[MTPBatch] = None  # the rows' MTP heads, run together
+        self.cost: Optional[PassCost] = None  # what its passes cost, fitted
         self.lengths: Optional[PassLength] = None  # the auto rows' shared length
         self.clock = PhaseClock(SpecStats())  # phase timings, off by default
         self._queued = None  # (logits, hidden) of a plain pass queued ahead
@@ -172,10 +177,13 @@ class BatchDecoder:
         most = self.max_draft if auto else min(num_draft_tokens, self.max_draft)
         policy = None
         if auto and decoder.drafter is not None:
-            policy = make_policy(self.model, verify_costs, self.group, self.max_draft)
-            if self.lengths is None and self.n_slots > 1:  # from one's pass costs
-                costs = verify_costs or cost_profile(self.model).short
-                self.lengths = PassLength(costs, self.group)
+            if self.cost is None:  # one model prices every row's passes
+                self.cost = pass_cost_model(self.model, verify_costs)
+            policy = make_policy(
+                self.model, verify_costs, self.group, self.max_draft, self.cost
+            )
+            if self.lengths is None and self.n_slots > 1:
+                self.lengths = PassLength(self.cost, self.group)
         id, self._next_id = self._next_id, self._next_id + 1
         stops = set(stop_tokens)
         row = BatchRow(id, decoder, sampler, policy, most, max_tokens, stops)
@@ -261,10 +269,15 @@ class BatchDecoder:
         if self.heads is not None:  # head rows first, all at once
             drafting = [(self.rows[b].decoder.drafter, k) for b, k in ks.items()]
             head_steps, catch_up = self.heads.draft_rows(drafting)
+        else:  # a head of its own catches up on its rows as it drafts
+            catch_up = sum(_own_head_rows(self.rows[b]) for b in active if ks[b])
         drafts, seconds = {}, {}  # b -> [m] draft; None: made on the device
         for b in active:
             drafts[b], seconds[b] = self.rows[b].draft(ks[b], self.heads)
         on_device = {b for b in active if seconds[b] is None}  # heads' drafts
+        if self.heads is None:
+            head_steps = max((len(drafts[b]) for b in on_device), default=0)
+            catch_up = catch_up if on_device else 0
         if not copies_pay(self, drafts, on_device):
             drafts = dict.fromkeys(active, NO_DRAFT)
         clock.lap("draft", *(drafts[b] for b in on_device))
@@ -302,10 +315,12 @@ class BatchDecoder:
                 n, token = 0, plain[b]
             draft = draft.tolist()
             emitted = row.truncate(draft[:n] + [token])
-            verdicts[b] = _Verdict(len(draft), n, emitted, seconds[b])
+            verdicts[b] = _Verdict(len(draft), n, emitted)
             out[row.id] = (emitted, scores[: len(emitted)])
         clock.lap("sampling")
         contexts = {b: len(self.rows[b].decoder.history) for b in active}
+        drafting = sum(len(d) > 0 for d in drafts.values())
+        context = sum(contexts.values()) // len(contexts)
         self._verified = _Verified(
             started,
             T,
@@ -314,8 +329,7 @@ class BatchDecoder:
             contexts,
             queued is not None,
             plain is not None,
-            head_steps,
-            catch_up,
+            PassShape(len(self.rows), T, drafting, head_steps, catch_up, context),
         )
         return out
 
@@ -338,7 +352,7 @@ class BatchDecoder:
             row.seen.extend(emitted)  # in place: the draft sampler reads it
             kept[b] = j + (row.done and j <= v.accepted)  # inputs kept
             if row.policy:  # it learns what drafting costs, as alone
-                row.policy.update(v.drafted, v.accepted, v.draft_seconds)
+                row.policy.update(v.drafted, v.accepted)
             h = None if p.hidden is None else p.hidden[b]
             row.decoder.advance(v.drafted, v.accepted, emitted, kept[b], h)
         if not p.queued_next:  # else committed before the next was queued
@@ -351,15 +365,19 @@ class BatchDecoder:
             self._observe(p, time.perf_counter() - p.started)
 
     def _observe(self, p: _Verified, seconds: float):
-        """What the pass cost, for the ``auto`` rows' cost models: the
-        batch's pass-length fit, and a row alone's own policy (it chose the
-        draft length as one sequence does)."""
-        B = len(self.rows)
-        if self.lengths is not None:
-            self.lengths.observe(B, p.T, seconds, p.head_steps, p.catch_up)
-        if B == 1 and self.rows[0].policy is not None and 0 in p.verdicts:
-            drafted = p.verdicts[0].drafted
-            self.rows[0].policy.observe_pass(drafted, seconds, p.contexts[0])
+        """What the pass cost, for the model that prices the ``auto`` rows'
+        passes; a row alone tells its own policy, which chose the draft
+        length as one sequence does (and spaces its probes by it)."""
+        if self.cost is None:
+            return
+        if len(self.rows) == 1 and self.rows[0].policy is not None:
+            if 0 in p.verdicts:
+                drafted = p.verdicts[0].drafted
+                self.rows[0].policy.observe_pass(
+                    drafted, seconds, p.contexts[0], p.shape
+                )
+            return
+        self.cost.observe(p.shape, seconds)
 
     def settle(self):
         """A pass queued ahead that will not be verified processed each

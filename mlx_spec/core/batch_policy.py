@@ -1,38 +1,23 @@
 """Draft lengths for the ``auto`` rows of a batch pass.
 
-Alone, a sequence's ``auto`` policy weighs a pass of ``1 + k`` tokens by the
-single-sequence verify profile. In a batch every row is computed over the
-same ``T = 1 + the longest draft`` positions, and the rows drafting with the
-model's MTP head run its steps together, so a pass costs about
+In a batch every row is computed over the same ``T = 1 + the longest
+draft`` positions, and the rows drafting with the model's MTP head run its
+steps together, so one row's longer draft makes every row pay. So with two
+or more rows the ``auto`` rows share draft lengths: ``k`` for the rows whose
+drafts cost nothing to make (copies), ``k_h`` for the rows drafting with the
+head, the pair maximising
 
-    alpha + beta * B * T + gamma * S + delta * C
+    sum over auto rows of E_b(k or k_h)  /  cost(pass)
 
-(measured on CPU: the forward grows with the tokens it computes, ``B * T``,
-over a fixed part; ``S`` head steps, the longest head draft, each one
-forward of the head for all its rows; ``C`` positions of the head's catch-up
-over the rows accepted since it last ran). One row's longer draft makes
-every row pay, which a row's own profile undercounts. So with two or more
-rows the ``auto`` rows share draft lengths: ``k`` for the rows whose drafts cost nothing to make
-(copies), ``k_h`` for the rows drafting with the head, the pair maximising
-
-    sum over auto rows of E_b(k or k_h)  /  cost(B, 1 + max(k, k_h), k_h, C)
-
-(``C``: the catch-up the head rows' drafts run, 0 when ``k_h = 0``. Their
-deferred rows need not run otherwise: a request that ends keeps them unrun
-in its state. In the fit, ``delta`` keeps a probe after a long stretch
-without drafts, which catches up many rows, from making a head step look
-dear).
 ``E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` from each row's own acceptance
 estimates (its :class:`~mlx_spec.core.policy.DraftLengthPolicy`, which keeps
-learning from the row's passes). The cost starts from the single-sequence
-profile (a line through it, gamma = 0) and is refitted from the batch's own
-timed passes (decayed least squares, the profile as prior passes, a few at
-first and never fewer than ``PRIOR_FLOOR``: passes that all have one shape,
-all at ``k = 0`` say, determine only one combination of the costs; a pass
-of a shape seen before counts as at most ``STALL_BOUND`` times its expected
-cost). After
-``TUNING.probe_every`` passes at ``k = 0``, one pass drafts one token, so
-acceptance that improves is noticed.
+learning from the row's passes), and ``cost`` the batch's
+:class:`~mlx_spec.core.pass_cost.PassCost` (the same model a row alone
+chooses by) of ``B`` rows over ``T`` positions, ``k_h`` head steps and the
+catch-up the head rows' drafts run (0 when ``k_h = 0``: their deferred rows
+need not run otherwise; a request that ends keeps them unrun in its state).
+After ``TUNING.probe_every`` passes at ``k = 0``, one pass drafts one token,
+so acceptance that improves is noticed.
 """
 
 from typing import Collection, Dict, List, Sequence, Tuple
@@ -41,9 +26,9 @@ import mlx.core as mx
 
 from ..models.pipeline import from_rank0
 from .batch_mtp import head_drafter
-from .least_squares import decayed, outer, solve_linear
-from .policy import counted_seconds, expected_tokens
-from .policy_tuning import TUNING
+from .cost_profile import SHORT_CONTEXT
+from .pass_cost import PassCost, PassShape
+from .policy import expected_tokens
 from .probe_schedule import ProbeSchedule, _ProbeFields
 
 # expected_tokens: the batch reads a row's expected tokens from here too
@@ -56,78 +41,14 @@ __all__ = [
 ]
 
 
-def _features(rows: int, T: int, head_steps: int, catch_up: int) -> List[float]:
-    return [1.0, float(rows * T), float(head_steps), float(catch_up)]
-
-
 class PassLength(_ProbeFields):
-    """The shared draft length of a batch's ``auto`` rows, and the batch's
-    pass-cost model. ``verify_costs``: the single-sequence profile
-    (seconds, index 0 = 1 token)."""
+    """The shared draft lengths of a batch's ``auto`` rows, its passes
+    priced by ``cost``."""
 
-    def __init__(self, verify_costs: Sequence[float], group=None):
-        self.group = group
-        verify_costs = list(verify_costs)  # the prior: the costs as they are now
-        n = len(verify_costs)
-        beta = max((verify_costs[-1] - verify_costs[0]) / max(n - 1, 1), 1e-6)
-        prior = [max(verify_costs[0] - beta, 0.0), beta, 0.0, 0.0]
-        # Normal equations of the decayed least squares. The prior, per pass
-        # of weight: the profile's line spread over T = 1..n, plus a pull of
-        # gamma and delta towards 0 (while every pass drafts, gamma and alpha
-        # are told apart only by it and the prior).
-        A0 = [[float(i == j >= 2) for j in range(4)] for i in range(4)]
-        b0 = [0.0] * 4
-        for T in range(1, n + 1):
-            f = _features(1, T, 0, 0)
-            y = sum(a * b for a, b in zip(f, prior))
-            A0 = [[a + c for a, c in zip(r, o)] for r, o in zip(A0, outer(f, 1 / n))]
-            b0 = [b + x * y / n for b, x in zip(b0, f)]
-        self._A = [[TUNING.batch_prior_weight * a for a in r] for r in A0]
-        self._b = [TUNING.batch_prior_weight * b for b in b0]
-        # What each pass adds so that the prior never weighs less than
-        # TUNING.batch_prior_floor passes (gamma's pull: batch_gamma_pull): passes of one shape
-        # alone let noise fit a negative alpha and a steep beta, with which
-        # no draft ever looked affordable.
-        floor = [
-            [(1 - TUNING.batch_decay) * TUNING.batch_prior_floor * a for a in r]
-            for r in A0
-        ]
-        floor[2][2] = floor[3][3] = (1 - TUNING.batch_decay) * TUNING.batch_gamma_pull
-        self._floor = (
-            floor,
-            [(1 - TUNING.batch_decay) * TUNING.batch_prior_floor * b for b in b0],
-        )
-        self._theta = None  # the fitted (alpha, beta, gamma, delta)
-        self._counted: set = set()  # (rows, T, head steps) of passes fitted
+    def __init__(self, cost: PassCost, group=None):
+        self.cost, self.group = cost, group
         self.probes = ProbeSchedule()
         self.last = None  # the last (k, k_h) chosen
-
-    def cost(self, rows: int, T: int, head_steps: int = 0, catch_up: int = 0) -> float:
-        """Seconds of a pass over ``rows`` rows of ``T`` positions, with
-        ``head_steps`` steps of the MTP head and ``catch_up`` positions of
-        its catch-up."""
-        if self._theta is None:
-            self._theta = solve_linear(self._A, self._b)
-        f = _features(rows, T, head_steps, catch_up)
-        return max(sum(a * b for a, b in zip(f, self._theta)), 1e-9)
-
-    def observe(
-        self, rows: int, T: int, seconds: float, head_steps: int = 0, catch_up: int = 0
-    ):
-        """A pass over ``rows`` rows of ``T`` positions with ``head_steps``
-        head steps and ``catch_up`` catch-up positions took ``seconds``."""
-        if not 0 < seconds < 60:
-            return  # a clock anomaly
-        expected = self.cost(rows, T, head_steps, catch_up)
-        seconds = counted_seconds(
-            self._counted, (rows, T, head_steps), seconds, expected
-        )
-        f = _features(rows, T, head_steps, catch_up)
-        self._theta = None  # refitted when next needed
-        self._A = decayed(self._A, outer(f), TUNING.batch_decay, self._floor[0])
-        self._b = decayed(
-            self._b, [x * seconds for x in f], TUNING.batch_decay, self._floor[1]
-        )
 
     def choose(
         self,
@@ -138,24 +59,38 @@ class PassLength(_ProbeFields):
         head: List[Tuple[Sequence[float], int]] = (),
         head_fixed: int = 0,
         head_catch_up: int = 0,
+        context: int = SHORT_CONTEXT,
+        others_drafting: int = 0,
     ) -> Tuple[int, int]:
         """The draft lengths ``(k, k_h)`` of the auto rows drafting copies
         (``auto``) and with the MTP head (``head``), each row given as
         (acceptance, most drafts it may make); ``rows``: rows the pass
-        computes; ``fixed``: the longest draft of the other rows (the pass
-        computes at least ``1 + fixed`` positions); ``others``: their
-        expected tokens; ``head_fixed``: the head steps they run;
-        ``head_catch_up``: the positions of the catch-up the head rows'
-        drafts would run (their deferred rows, padded to the longest)."""
+        computes, after ``context`` tokens on average; ``fixed``: the
+        longest draft of the other rows (the pass computes at least
+        ``1 + fixed`` positions); ``others``: their expected tokens;
+        ``others_drafting``: how many of them draft; ``head_fixed``: the
+        head steps they run; ``head_catch_up``: the positions of the
+        catch-up the head rows' drafts would run (their deferred rows,
+        padded to the longest)."""
         limit = max((cap for _, cap in auto), default=0)
         head_limit = max((cap for _, cap in head), default=0)
-
-        copies, heads = _group_tokens(auto, limit + 1), _group_tokens(
-            head, head_limit + 1
+        copies = _group_tokens(auto, limit + 1)
+        heads = _group_tokens(head, head_limit + 1)
+        drafters = (
+            _drafting(auto, limit + 1),
+            _drafting(head, head_limit + 1),
+            others_drafting,
         )
-
         k, kh = self._fastest(
-            rows, copies, heads, fixed, others, head_fixed, head_catch_up
+            rows,
+            copies,
+            heads,
+            drafters,
+            fixed,
+            others,
+            head_fixed,
+            head_catch_up,
+            context,
         )
         if self.probes.apply(max(k, kh), max(limit, head_limit)) > max(k, kh):
             k, kh = min(1, limit), min(1, head_limit)  # one draft for every row
@@ -164,25 +99,40 @@ class PassLength(_ProbeFields):
         self.last = (k, kh)
         return k, kh
 
-    def _fastest(self, rows, copies, heads, fixed, others, head_fixed, head_catch_up):
+    def _fastest(
+        self,
+        rows,
+        copies,
+        heads,
+        drafters,
+        fixed,
+        others,
+        head_fixed,
+        catch_up,
+        context,
+    ):
         """The pair ``(k, k_h)`` of the most expected tokens a second, the
         first of equals in the order ``k``, then ``k_h``. It runs before
-        every pass of a batch of ``auto`` rows, for up to 81 pairs, so
-        :meth:`cost` is written out here with the same arithmetic (its
-        terms summed in the same order): the same pair, in about half the
-        host time with :func:`_group_tokens`."""
-        if self._theta is None:
-            self._theta = solve_linear(self._A, self._b)
-        alpha, beta, gamma, delta = self._theta
+        every pass of a batch of ``auto`` rows, for up to 81 pairs, so each
+        length's forward is looked up once."""
+        cost, longest = self.cost, 1 + max(len(copies), len(heads), fixed + 1)
+        forward = [0.0] + [cost.forward(rows * T, context) for T in range(1, longest)]
+        copy_rows, head_rows, other_rows = drafters
         best, best_speed = (0, 0), None
         for k, copy_tokens in enumerate(copies):
             for kh, head_tokens in enumerate(heads):
                 T = 1 + max(k, kh, fixed)
-                catch_up = head_catch_up if kh else 0
-                cost = 0 + 1.0 * alpha + float(rows * T) * beta
-                cost = cost + float(max(kh, head_fixed)) * gamma
-                cost = max(cost + float(catch_up) * delta, 1e-9)
-                speed = (others + copy_tokens + head_tokens) / cost
+                shape = PassShape(
+                    rows,
+                    T,
+                    copy_rows[k] + head_rows[kh] + other_rows,
+                    max(kh, head_fixed),
+                    catch_up if kh else 0,
+                    context,
+                )
+                f = cost.features(shape, forward[T])
+                seconds = max(sum(a * b for a, b in zip(f, cost.coefficients())), 1e-9)
+                speed = (others + copy_tokens + head_tokens) / seconds
                 if best_speed is None or speed > best_speed:
                     best, best_speed = (k, kh), speed
         return best
@@ -191,6 +141,12 @@ class PassLength(_ProbeFields):
         """Whether the next choice drafts nothing (said before it is made):
         the last one drafted nothing and no probe is due."""
         return self.last == (0, 0) and self.probes.plain_next()
+
+
+def _drafting(group: List[Tuple[Sequence[float], int]], n: int) -> List[int]:
+    """``rows[k]`` for ``k < n``: how many rows of ``group`` draft at all
+    with ``k`` drafts each (those that may draft)."""
+    return [sum(min(k, cap) > 0 for _, cap in group) for k in range(n)]
 
 
 def _group_tokens(group: List[Tuple[Sequence[float], int]], n: int) -> List[float]:
@@ -252,7 +208,8 @@ def draft_lengths(
         (b,) = auto
         row = rows[b]
         room = min(row.max_draft, row.remaining - 1, row.decoder.draft_room())
-        ks[b] = row.policy.active.choose(room, len(row.decoder.history))
+        catch_up = _catch_up(rows, [b]) if b in heads else 0
+        ks[b] = row.policy.active.choose(room, len(row.decoder.history), catch_up)
     elif auto:
         if judged:  # as for one sequence, judgements stand in for probes
             lengths.probes.restart()
@@ -272,12 +229,19 @@ def draft_lengths(
             group(True),
             max((ks[b] for b in heads if b in ks), default=0),
             _catch_up(rows, [b for b in auto if b in heads]),
+            _mean_context(rows, active),
+            sum(k > 0 for k in ks.values()),
         )
         ks.update({b: min(k_head if b in heads else k, caps[b]) for b in auto})
     longest = max(ks.values())
     return {
         b: k if b in heads else max(k, min(longest, caps[b])) for b, k in ks.items()
     }
+
+
+def _mean_context(rows, active: List[int]) -> int:
+    """The active rows' tokens of context, on average."""
+    return sum(len(rows[b].decoder.history) for b in active) // len(active)
 
 
 def _catch_up(rows, drafting: List[int]) -> int:
@@ -314,8 +278,11 @@ def copies_pay(
             return True
         acceptance = row.policy.active.acceptance() if row.policy else []
         tokens += expected_tokens(acceptance, len(draft))
-    B, cost = len(batch.rows), lengths.cost
-    return tokens / cost(B, T) >= len(drafts) / cost(B, 1)
+    B, context = len(batch.rows), _mean_context(batch.rows, list(drafts))
+    drafting = sum(len(d) > 0 for d in drafts.values())
+    cost = lengths.cost.cost
+    spec = cost(PassShape(B, T, drafting, 0, 0, context))
+    return tokens / spec >= len(drafts) / cost(PassShape(B, 1, 0, 0, 0, context))
 
 
 def plain_ahead(batch, active: List[int], T: int) -> bool:

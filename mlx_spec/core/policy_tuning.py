@@ -20,27 +20,34 @@ class PolicyTuning:
     # Forgetting per pass: acceptance drifts with the content generated.
     acceptance_decay: float = 0.97
 
-    # -- the online fit of what a pass costs beyond its verify forward --
+    # -- the fitted pass-cost model (pass_cost.PassCost) --
     # Forgetting per pass of the fit: the machine's load drifts too.
     cost_decay: float = 0.95
     # A pass counts as at most this many times what the fit expected, once a
-    # pass of its length was counted: two stalled 85-100 ms passes among 20 ms
+    # pass of its shape was counted: two stalled 85-100 ms passes among 20 ms
     # ones once made drafts look free (8 drafted); a lasting slowdown raises
     # the bound with the fit.
     stall_bound: float = 1.5
-    # Pull of the per-draft cost towards the host-timed drafting cost, in
-    # one-draft passes' worth: one or two lengths cannot tell it from the
-    # fixed cost of drafting at all.
+    # Pull of the forward's scale towards the profile, in passes' worth: a
+    # run of one shape moves the constant, not how forwards grow with T.
+    scale_prior_weight: float = 0.1
+    # Pull of the per-head-step cost towards the profiled head step: one or
+    # two draft lengths cannot tell it from the fixed cost of drafting.
     slope_prior_weight: float = 0.5
-    # Far weaker pull of that fixed cost towards 0, so a first draft's extra
-    # cost is taken as fixed and a longer draft still gets tried and timed.
+    # Far weaker pull of that fixed cost (per drafting row) towards 0, so a
+    # first draft's extra cost is taken as fixed and a longer draft still
+    # gets tried and timed.
     fixed_prior_weight: float = 0.05
+    # Pulls of the cost per row beyond the first and per catch-up position
+    # towards 0: a batch of constant size cannot tell the first from the
+    # constant, nor steady drafting the second from the fixed cost; a probe
+    # after a long stretch without drafts catches up many rows.
+    row_prior_weight: float = 0.1
+    catch_up_prior_weight: float = 0.1
     # While drafting, a plain pass is run once the last one's decayed weight
     # falls below this (about every 28 passes): the cost line is anchored at
     # k = 0 rather than extrapolated to it.
     plain_probe_weight: float = 0.25
-    # Weight of a new host-timed drafting cost in its moving average.
-    draft_cost_update: float = 0.2
 
     # -- exploration: probes at k = 0, depth probes while drafting --
     # Plain passes before a one-draft probe: a drafter that became useful is
@@ -78,17 +85,6 @@ class PolicyTuning:
     # be written without a prefill (False: after PREFILLED_LONG_CONTEXT, where
     # a 4-token pass at 16k was priced at 30 ms and took 46).
     long_profile: bool = True
-
-    # -- a batch's shared draft length (batch_policy.PassLength) --
-    # Forgetting per pass of the batch's cost fit.
-    batch_decay: float = 0.95
-    # The single-sequence profile counts as this many passes at first ...
-    batch_prior_weight: float = 4.0
-    # ... and never as fewer than this: passes of one shape alone let noise
-    # fit a negative constant and a steep slope under which nothing paid.
-    batch_prior_floor: float = 0.1
-    # What stays of the pull of the head-step cost towards 0 per pass.
-    batch_gamma_pull: float = 0.1
 
 
 TUNING = PolicyTuning()

@@ -5,7 +5,7 @@ import pytest
 
 from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.batch_policy import copies_pay
-from mlx_spec.core.batch_policy import PassLength
+from mlx_spec.core.pass_cost import PassCost
 from mlx_spec.core.ragged_cache import RaggedKVCache
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.base import Drafter
@@ -259,13 +259,14 @@ def modelled_pass_costs(monkeypatch):
     computed position, 4 ms per head step) instead of this machine's: the
     tests using it are about the lengths chosen, not the fit, and a busy
     machine's timings could make any length look cheapest."""
-    real = PassLength.observe
+    real = PassCost.observe
 
-    def observe(self, rows, T, seconds, head_steps=0, catch_up=0):
-        modelled = 0.01 + 0.002 * rows * T + 0.004 * head_steps
-        real(self, rows, T, modelled, head_steps, catch_up)
+    def observe(self, shape, seconds):
+        rows, T = shape.rows, shape.T
+        modelled = 0.01 + 0.002 * rows * T + 0.004 * shape.head_steps
+        return real(self, shape, modelled)
 
-    monkeypatch.setattr(PassLength, "observe", observe)
+    monkeypatch.setattr(PassCost, "observe", observe)
 
 
 def test_an_auto_row_drafts_as_long_as_the_pass(models, family, modelled_pass_costs):

@@ -196,7 +196,10 @@ def generate_on_a_busy_profile(models, monkeypatch, tmp_path, runs=2):
 def test_the_decode_loop_heals_a_busy_profile(models, monkeypatch, tmp_path):
     """Through the decode loop: the passes beat the busy profile, so it is
     lowered and written back, and ``auto`` drafts where it paid. The
-    control, healing off: the profile stays and ``auto`` hardly drafts."""
+    control, healing off: the profile stays and ``auto`` hardly drafts.
+    (The pass-cost fit's scale is pinned to the profile in both: within a
+    generation it would learn cheaper forwards too, but not keep them.)"""
+    monkeypatch.setattr(TUNING, "scale_prior_weight", 1e6)
     with monkeypatch.context() as m:
         m.setattr(TUNING, "heal_window", 0)
         kept, control = generate_on_a_busy_profile(models, m, tmp_path / "off")

@@ -102,5 +102,8 @@ def test_the_heads_drafts_start_from_its_measured_step_cost(models):
 
     model, _ = models["qwen3_next"]
     policies = make_policy(model)
-    assert policies.select("mtp").draft_cost == head_step_cost(model) > 0
-    assert policies.select("ngram").draft_cost == 0.0
+    head, copies = policies.select("mtp"), policies.select("ngram")
+    assert head.cost is copies.cost  # one model prices every source's passes
+    assert head.cost.fitted()["per_head_step"] == head_step_cost(model) > 0
+    assert head.steps and not copies.steps  # a copy takes no head step
+    assert head.pass_cost(3) > copies.pass_cost(3)
