@@ -40,7 +40,13 @@ from .models.fingerprint import (
     model_fingerprint,
     tokenizer_fingerprint,
 )
-from .state_file import plain_state, read_metadata, read_state, write_state
+from .state_file import (
+    plain_state,
+    read_metadata,
+    read_state,
+    temp_file_beside,
+    write_state,
+)
 
 log = logging.getLogger("mlx_spec.states")
 
@@ -102,6 +108,19 @@ def file_name(identity: Identity, drafter: str, tokens: Sequence[int]) -> str:
     digest = hashlib.sha256(key.encode())
     digest.update(array("I", tokens).tobytes())
     return digest.hexdigest()[:40] + SUFFIX
+
+
+def check_state_dir(directory):
+    """Raise ``ValueError`` naming ``directory`` if states cannot be kept
+    there (created if missing; checked by writing a file in it)."""
+    path = Path(directory).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        temp_file_beside(path / "check").unlink()
+    except OSError as e:
+        raise ValueError(
+            f"cannot keep states in {str(directory)!r}: {e.strerror or e}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -191,11 +210,12 @@ class StateStore:
         except Exception as e:  # a full disk, a directory gone: serving goes on
             self.counts["write_failures"] += 1
             text = " ".join(str(e).split()) or type(e).__name__
-            self._warn_once(
-                ("write", text), f"cannot write a state to {self.directory}: {text}"
-            )
+            kind = ("write", type(e).__name__, getattr(e, "errno", None))
+            self._warn_once(kind, f"cannot write a state to {self.directory}: {text}")
             return
         self.counts["written"] += 1
+        with self._lock:  # a later failure is news again
+            self._warned = {k for k in self._warned if k[0] != "write"}
         self.trim()
 
     def trim(self):
