@@ -150,6 +150,8 @@ def write_state(path, state: DecoderState, metadata: Dict[str, str]):
     tmp = temp_file_beside(path)
     try:
         save_prompt_cache(str(tmp), caches, meta)
+        with open(tmp, "rb+") as f:  # on disk before it has its name
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

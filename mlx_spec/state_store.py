@@ -187,6 +187,7 @@ class StateStore:
         self._writer.join(timeout)
 
     def _write_loop(self):
+        self.trim()  # a smaller budget than last time applies at once
         while True:
             item = self._writes.get()
             if item is None:
