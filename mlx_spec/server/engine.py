@@ -49,9 +49,9 @@ from ..drafters.base import MAX_DRAFT_TOKENS
 from ..generate import check_options
 from ..mlx_lm_compat import make_logits_processors
 from ..models.pipeline import broadcast_bytes
+from ..state_store import StateStore
 from .events import Finished, GenerationParams, Job, Started, TextRouter, Token
 from .prefill import Joining, PrefillQueue
-from ..state_store import StateStore
 from .state_cache import StateCache
 
 log = logging.getLogger("mlx_spec.server")
