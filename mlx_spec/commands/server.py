@@ -22,6 +22,7 @@ from ..drafters import default_draft
 from ..server.engine import Engine, PipelineEngine
 from ..server.http import bind, make_app, serve
 from ..server.requests import ServerContext
+from ..state_store import DEFAULT_DIR, Identity, StateStore, check_state_dir
 from .model_files import load_model, model_name
 from .common import (
     CommandError,
@@ -107,6 +108,23 @@ def setup_parser():
         help="Most bytes of conversation states kept, e.g. 2G (default: 1G).",
     )
     p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="Also keep conversation states on disk in DIR (e.g. "
+        f"{DEFAULT_DIR}): states leaving memory and all of them when the "
+        "server stops are written there, and a later request (after a "
+        "restart too, or in another server sharing DIR) continues one. "
+        "Default: off.",
+    )
+    p.add_argument(
+        "--state-dir-bytes",
+        type=_size,
+        metavar="SIZE",
+        default=10 << 30,
+        help="Most bytes of states kept in --state-dir, least recently used "
+        "removed first, e.g. 20G (default: 10G).",
+    )
+    p.add_argument(
         "--decode-concurrency",
         type=int,
         default=4,
@@ -162,6 +180,12 @@ def check_flags(args):
     _check_range("--max-tokens", args.max_tokens, 1)
     _check_range("--prompt-cache-size", args.prompt_cache_size, 0)
     _check_range("--prompt-cache-bytes", args.prompt_cache_bytes, 0)
+    _check_range("--state-dir-bytes", args.state_dir_bytes, 0)
+    if args.state_dir is not None:
+        if args.pipeline:
+            raise CommandError("--state-dir does not work with --pipeline")
+        with bad_input():
+            check_state_dir(args.state_dir)
     _check_range("--decode-concurrency", args.decode_concurrency, 1)
     _check_range("--prefill-step-size", args.prefill_step_size, 1)
     _check_range("--prefill-chunk", args.prefill_chunk, 1)
@@ -200,6 +224,12 @@ def main(argv=None):
     engine_class, extra = Engine, {}
     if group is not None:
         engine_class, extra = PipelineEngine, {"group": group}
+    if args.state_dir is not None:
+        identity = Identity.of(model, tokenizer, model_name(args.model, path))
+        with bad_input(OSError):
+            extra["state_store"] = StateStore(
+                args.state_dir, args.state_dir_bytes, identity
+            )
     with bad_input():
         engine = engine_class(
             model,

@@ -1,4 +1,5 @@
-"""Which model is this? Fingerprints for MTP sidecars, sessions and profiles.
+"""Which model is this? Fingerprints for MTP sidecars, sessions, profiles and
+kept states (with the MTP head's and the tokenizer's).
 
 Two kinds, both computed from the model as loaded (quantised or not):
 
@@ -82,3 +83,26 @@ def model_fingerprint(model) -> str:
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     digest.update(weight_signature(model).tobytes())
     return digest.hexdigest()[:16]
+
+
+def head_fingerprint(model) -> str:
+    """A short exact hash of the attached MTP head's weights (names, shapes
+    and first values of each), or "" without one: states drafted with one
+    head are not continued with another."""
+    head = getattr(model, "__dict__", {}).get("mtp_head")
+    if head is None:
+        return ""
+    from mlx.utils import tree_flatten
+
+    digest = hashlib.sha256()
+    for name, w in sorted(tree_flatten(head.parameters()), key=lambda kv: kv[0]):
+        digest.update(f"{name}{w.shape}{w.dtype}".encode())
+        digest.update(np.array(w.reshape(-1)[:16].astype(mx.float32)).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short exact hash of ``tokenizer``'s vocabulary (token to id)."""
+    vocab = tokenizer.get_vocab()
+    items = sorted(vocab.items(), key=lambda kv: (kv[1], kv[0]))
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]

@@ -16,6 +16,9 @@ last one emitted when it leaves): keeping one costs no forward, and a later
 prompt that continues it processes that token in its own prefill. A prompt
 that begins like one being prefilled waits for it to reach the end of the
 common part and continues from the state kept there (:mod:`.prefill`).
+With a disk tier (:mod:`mlx_spec.state_store`), states leaving memory, and
+all of them when the engine closes, are written in the background; a prompt
+that continues a longer state on disk than in memory loads it.
 
 A job's events: ``Started`` once (prompt and cached token counts), then
 ``Token``, ``Segment`` (content or reasoning) and ``ToolCall`` events, then
@@ -46,6 +49,7 @@ from ..drafters.base import MAX_DRAFT_TOKENS
 from ..generate import check_options
 from ..mlx_lm_compat import make_logits_processors
 from ..models.pipeline import broadcast_bytes
+from ..state_store import StateStore
 from .events import Finished, GenerationParams, Job, Started, TextRouter, Token
 from .prefill import Joining, PrefillQueue
 from .state_cache import StateCache
@@ -130,6 +134,7 @@ class Engine:
         batch_size: int = 4,
         prefill_chunk: int = 256,
         start: bool = True,
+        state_store: Optional[StateStore] = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -140,7 +145,9 @@ class Engine:
         self.draft, self.num_draft_tokens = draft, num_draft_tokens
         self.max_ngram, self.prefill_step_size = max_ngram, prefill_step_size
         self.rollback, self.batch_size = rollback, batch_size
-        self.states = StateCache(cache_bytes, cache_entries)
+        self.store = state_store  # the disk tier under ``states``, if any
+        spill = None if state_store is None else state_store.put
+        self.states = StateCache(cache_bytes, cache_entries, evicted=spill)
         self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._live: Dict[int, _Output] = {}
         self.prefills = PrefillQueue(self.states, prefill_chunk)
@@ -164,8 +171,12 @@ class Engine:
         return job
 
     def close(self):
+        """Stop the worker once the requests in flight end; the states kept
+        in memory are then written to the disk tier (waited for)."""
         self._jobs.put(None)
         self.join(timeout=60)
+        if self.store is not None:
+            self.store.close()
 
     def join(self, timeout=None):
         """Wait for the worker to end (after :meth:`close`, or rank 0's)."""
@@ -192,6 +203,7 @@ class Engine:
             "queued": self._jobs.qsize(),
             "kept_states": self.states.histories(),
             "kept_bytes": self.states.nbytes,
+            **({} if self.store is None else {"disk": self.store.status()}),
         }
 
     # -- the worker ----------------------------------------------------------
@@ -234,6 +246,23 @@ class Engine:
                         output.job.put(e)
                     self._live.clear()
                     batch = self._new_batch()
+        if self.store is not None:  # the server stops: its states outlive it
+            for state in self.states.take_all():
+                self.store.put(state)
+
+    def _kept(self, draft: str, prompt: List[int]):
+        """The kept state with the longest history ``prompt`` continues: in
+        memory, or on disk when a longer one is there (then kept in memory
+        too)."""
+        state = self.states.lookup(draft, prompt)
+        if self.store is None:
+            return state
+        covered = 0 if state is None else len(state.history)
+        found = self.store.lookup(draft, prompt, longer_than=covered)
+        if found is None:
+            return state
+        self.states.insert(found)
+        return found
 
     def _start(self, job: Job):
         """The job's decoder, from the longest kept state its prompt extends;
@@ -252,11 +281,13 @@ class Engine:
             if draft == "none":
                 num_draft_tokens = 0
             check_options(p.max_tokens, draft, num_draft_tokens)
-            state = self.states.lookup(draft, job.prompt)
+            state = self._kept(draft, job.prompt)
             covered = 0 if state is None else len(state.history)
             if self.prefills.wait_to_share(job, draft, covered):
                 return
-            state = self.states.lookup(draft, job.prompt)  # one kept just now?
+            fresh = self.states.lookup(draft, job.prompt)  # one kept just now?
+            if fresh is not None and len(fresh.history) > covered:
+                state = fresh
             drafter = make_drafter(draft, self.model, max_ngram=self.max_ngram)
             decoder = SpeculativeDecoder(
                 self.model,

@@ -11,7 +11,7 @@ from. Bounded by bytes and by count, least recently used evicted first.
 
 import threading
 from collections import OrderedDict
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..core.snapshot import DecoderState
 
@@ -27,8 +27,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class StateCache:
-    def __init__(self, max_bytes: int, max_entries: int = 10):
+    def __init__(
+        self,
+        max_bytes: int,
+        max_entries: int = 10,
+        evicted: Optional[Callable[[DecoderState], None]] = None,
+    ):
         self.max_bytes, self.max_entries = max_bytes, max_entries
+        self.evicted = evicted
         self._entries: "OrderedDict[Tuple, DecoderState]" = OrderedDict()
         self._nbytes = 0
         self._lock = threading.Lock()
@@ -64,19 +70,33 @@ class StateCache:
         size = state.nbytes
         with self._lock:
             self._pop(key)
-            if size > self.max_bytes:
-                return
-            self._entries[key] = state
-            self._nbytes += size
+            if size > self.max_bytes or self.max_entries == 0:
+                left = [state]
+            else:
+                left = []
+                self._entries[key] = state
+                self._nbytes += size
             while (
                 len(self._entries) > self.max_entries or self._nbytes > self.max_bytes
             ):
-                self._pop(next(iter(self._entries)))
+                left.append(self._pop(next(iter(self._entries))))
+        if self.evicted is not None:
+            for gone in left:  # outside the lock: the disk tier copies it
+                self.evicted(gone)
 
-    def _pop(self, key):
+    def _pop(self, key) -> Optional[DecoderState]:
         state = self._entries.pop(key, None)
         if state is not None:
             self._nbytes -= state.nbytes
+        return state
+
+    def take_all(self) -> List[DecoderState]:
+        """Every kept state, most recently used first; none kept afterwards."""
+        with self._lock:
+            states = list(reversed(self._entries.values()))
+            self._entries.clear()
+            self._nbytes = 0
+        return states
 
     def histories(self) -> List[int]:
         """Lengths of the kept histories, least recently used first."""

@@ -247,7 +247,7 @@ def test_prompt_cache_file_is_exactly_the_path_given(
     # Still mlx-lm's prompt-cache format: its loader reads a *.safetensors copy.
     copy = shutil.copy(cache_file, tmp_path / "copy.safetensors")
     caches, meta = load_prompt_cache(str(copy), return_metadata=True)
-    assert len(caches) == int(meta["n_target"]) + 2
+    assert len(caches) == int(meta["n_target"]) + 3  # history, drafter, deferred
 
 
 @pytest.mark.parametrize("where", ["missing_dir", "directory", "read_only_dir"])
@@ -333,3 +333,35 @@ def test_ctrl_c_returns_to_the_prompt_and_ctrl_d_exits(checkpoint_dirs):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_session_file_of_the_previous_layout_still_loads(models, tmp_path):
+    """Files saved before the layout held pending tokens, deferred rows and
+    a checksum (two entries after the target's caches) load as they did."""
+    from mlx_spec.commands.session import FORMAT, load_session
+    from mlx_spec.core.snapshot import capture
+    from mlx_spec.mlx_lm_compat import ArraysCache, save_prompt_cache
+    from mlx_spec.models.fingerprint import model_fingerprint
+    from mlx_spec.state_file import plain_state
+
+    model, tok = models["qwen3_5"]
+    args = setup_parser().parse_args([])
+    chat = ChatSession(model, tok, args)
+    list(chat.reply(TURNS[0]))
+    state = plain_state(capture(chat.decoder))
+    session, extra = ArraysCache(2), ArraysCache(len(state.drafter_arrays) or 1)
+    session.cache = [mx.array(state.history, mx.uint32), state.last_hidden]
+    extra.cache = state.drafter_arrays or [None]
+    path = tmp_path / "old.safetensors"
+    meta = {
+        "format": FORMAT,
+        "model": model_fingerprint(model),
+        "model_name": "",
+        "drafter": state.drafter,
+        "n_target": str(len(state.caches)),
+    }
+    save_prompt_cache(str(path), state.caches + [session, extra], meta)
+    again = ChatSession(model, tok, args)
+    load_session(path, again.decoder)
+    assert again.decoder.history == chat.decoder.history
+    assert "".join(again.reply(TURNS[1])) == "".join(chat.reply(TURNS[1]))

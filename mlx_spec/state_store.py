@@ -1,0 +1,424 @@
+"""Decoder states kept on disk: the tier under the server's states in memory,
+so that a conversation continues without prefilling it again after its state
+left memory, after a restart, or in another server process.
+
+A directory of state files (:mod:`mlx_spec.state_file`), one per state,
+named by a hash of the model's identity, the drafter and the tokens it
+holds. Each file's metadata says what it is: the format version, the model
+(its fingerprint, its MTP head's and its tokenizer's), the drafter and the
+tokens (with their hash). Only the header of a file is read to know what it
+holds; a state is loaded only for a prompt that continues its tokens, and
+only if everything matches. A file of another model or format, a truncated
+or damaged one: skipped with one warning (per file and process), never
+loaded.
+
+Writes never hold up decoding: :meth:`StateStore.put` copies the state
+(evaluated arrays, no further computation) and hands it to a writer thread,
+which writes a temporary file beside the final name and renames it into
+place. A reader (another process included) so only ever sees whole files; a
+crash leaves at most a hidden temporary file, removed once it is stale. A
+disk that is full or unwritable costs a warning, not a request. The directory
+is kept under its byte budget by removing the least recently used files (a
+file's modification time: written or last loaded); a file another process
+removes between listing and reading is just a miss.
+"""
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .core.snapshot import DecoderState
+from .models.fingerprint import (
+    head_fingerprint,
+    model_fingerprint,
+    tokenizer_fingerprint,
+)
+from .state_file import (
+    plain_state,
+    read_metadata,
+    read_state,
+    temp_file_beside,
+    write_state,
+)
+
+log = logging.getLogger("mlx_spec.states")
+
+FORMAT = "mlx_spec.state.v1"
+SUFFIX = ".safetensors"
+DEFAULT_DIR = "~/.cache/mlx_spec/states"  # documented; never used unasked
+STALE_TEMP_S = 3600  # a temporary file this old is a crashed writer's
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a state file must match to be continued: the format, the model,
+    its MTP head and its tokenizer."""
+
+    model: str
+    head: str
+    tokenizer: str
+    model_name: str = ""  # for messages only
+
+    @classmethod
+    def of(cls, model, tokenizer, model_name: str = "") -> "Identity":
+        return cls(
+            model_fingerprint(model),
+            head_fingerprint(model),
+            tokenizer_fingerprint(tokenizer),
+            str(model_name),
+        )
+
+    def metadata(self) -> Dict[str, str]:
+        return {
+            "format": FORMAT,
+            "model": self.model,
+            "head": self.head,
+            "tokenizer": self.tokenizer,
+            "model_name": self.model_name,
+        }
+
+    def mismatch(self, meta: Dict[str, str]) -> Optional[str]:
+        """Why a file with metadata ``meta`` is not for this identity."""
+        if meta.get("format") != FORMAT:
+            return f"format {meta.get('format')!r}, not {FORMAT!r}"
+        if meta.get("model") != self.model:
+            name = meta.get("model_name") or meta.get("model")
+            return f"saved for another model ({name})"
+        if meta.get("head") != self.head:
+            return "saved with another MTP head"
+        if meta.get("tokenizer") != self.tokenizer:
+            return "saved with another tokenizer"
+        return None
+
+
+def tokens_hash(tokens: Sequence[int]) -> str:
+    return hashlib.sha256(array("I", tokens).tobytes()).hexdigest()
+
+
+def file_name(identity: Identity, drafter: str, tokens: Sequence[int]) -> str:
+    """The file of a state: the same state always has the same name."""
+    key = f"{FORMAT}|{identity.model}|{identity.head}|{identity.tokenizer}|{drafter}|"
+    digest = hashlib.sha256(key.encode())
+    digest.update(array("I", tokens).tobytes())
+    return digest.hexdigest()[:40] + SUFFIX
+
+
+def check_state_dir(directory):
+    """Raise ``ValueError`` naming ``directory`` if states cannot be kept
+    there (created if missing; checked by writing a file in it)."""
+    path = Path(directory).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        temp_file_beside(path / "check").unlink()
+    except OSError as e:
+        raise ValueError(
+            f"cannot keep states in {str(directory)!r}: {e.strerror or e}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A file of this identity, as its header describes it."""
+
+    path: Path
+    drafter: str
+    tokens: Tuple[int, ...]
+    pending: int
+
+
+class StateStore:
+    """The state files of one directory, for one model (``identity``)."""
+
+    def __init__(self, directory, max_bytes: int, identity: Identity):
+        self.directory = Path(directory).expanduser()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes, self.identity = max_bytes, identity
+        self._lock = threading.Lock()  # the index, the warnings, the queued
+        self._index: Dict[Tuple, Optional[_Entry]] = {}  # None: a skipped file
+        self._warned = set()
+        self._queued: Dict[str, DecoderState] = {}  # name -> state not yet written
+        self._idle = threading.Condition(self._lock)
+        self._writes: "queue.Queue[Optional[Tuple[str, DecoderState]]]" = queue.Queue()
+        self.counts = {"written": 0, "loaded": 0, "write_failures": 0, "removed": 0}
+        self._writer = threading.Thread(
+            target=self._write_loop, name="mlx_spec-states", daemon=True
+        )
+        self._writer.start()
+
+    # -- writing ---------------------------------------------------------------
+    def put(self, state: DecoderState):
+        """Write ``state`` (which must not change afterwards) to disk, in the
+        background; one already there is only marked as used now."""
+        name = file_name(self.identity, state.drafter, state.history)
+        path = self.directory / name
+        with self._lock:
+            if name in self._queued:
+                return
+        if path.exists() and not self._skipped(path):
+            _touch(path)  # the same state: only its use is news
+            return
+        if state.nbytes > self.max_bytes:
+            return  # it could never be kept
+        try:
+            plain = plain_state(state)  # evaluated here: the writer computes nothing
+        except Exception as e:  # a cache this file format does not hold
+            self._warn_once(("put", type(e)), f"a state was not kept on disk: {e}")
+            return
+        with self._lock:
+            self._queued[name] = plain
+        self._writes.put((name, plain))
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every state put so far is written (or failed); False if
+        ``timeout`` seconds passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._queued, timeout)
+
+    def close(self, timeout: Optional[float] = None):
+        """Write what is queued, then stop the writer."""
+        self._writes.put(None)
+        self._writer.join(timeout)
+
+    def _write_loop(self):
+        self.trim()  # a smaller budget than last time applies at once
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            name, state = item
+            try:
+                self._write(name, state)
+            finally:
+                with self._idle:
+                    self._queued.pop(name, None)
+                    self._idle.notify_all()
+
+    def _write(self, name: str, state: DecoderState):
+        meta = {
+            **self.identity.metadata(),
+            "tokens": ",".join(map(str, state.history)),
+            "tokens_sha256": tokens_hash(state.history),
+        }
+        try:
+            write_state(self.directory / name, state, meta)
+        except Exception as e:  # a full disk, a directory gone: serving goes on
+            self.counts["write_failures"] += 1
+            text = " ".join(str(e).split()) or type(e).__name__
+            kind = ("write", type(e).__name__, getattr(e, "errno", None))
+            self._warn_once(kind, f"cannot write a state to {self.directory}: {text}")
+            return
+        self.counts["written"] += 1
+        with self._lock:  # a later failure is news again
+            self._warned = {k for k in self._warned if k[0] != "write"}
+        self.trim()
+
+    def trim(self):
+        """Remove the least recently used files until the directory holds at
+        most ``max_bytes`` of them, and temporary files left by a crash."""
+        files, now = [], time.time()
+        for entry in _scan(self.directory):
+            st = _stat(entry)
+            if st is None:
+                continue
+            if entry.name.startswith("."):
+                if now - st.st_mtime > STALE_TEMP_S:
+                    _remove(Path(entry.path))
+            elif entry.name.endswith(SUFFIX):
+                files.append((st.st_mtime_ns, st.st_size, Path(entry.path)))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            if _remove(path):
+                self.counts["removed"] += 1
+            total -= size  # gone, whoever removed it
+
+    # -- reading ---------------------------------------------------------------
+    def lookup(
+        self, drafter: str, prompt: Sequence[int], longer_than: int = 0
+    ) -> Optional[DecoderState]:
+        """The state on disk (or queued to be written) with the longest
+        history that ``prompt`` continues, longer than ``longer_than``
+        tokens: a strict prefix of it, or all of it when the state's last
+        token is pending. None when there is none, or none loads."""
+        prompt = tuple(prompt)
+
+        def fits(tokens, pending):
+            n = len(tokens)
+            return (
+                longer_than < n
+                and (n < len(prompt) or (n == len(prompt) and pending))
+                and prompt[:n] == tokens
+            )
+
+        with self._lock:
+            queued = [
+                s
+                for s in self._queued.values()
+                if s.drafter == drafter and fits(tuple(s.history), s.pending)
+            ]
+        best = max(queued, key=lambda s: len(s.history), default=None)
+        if best is not None:
+            longer_than = len(best.history)
+        candidates = [
+            e
+            for e in self._entries()
+            if e.drafter == drafter and fits(e.tokens, e.pending)
+        ]
+        for entry in sorted(candidates, key=lambda e: -len(e.tokens)):
+            state = self._load(entry)
+            if state is not None:
+                return state
+        return best
+
+    def _load(self, entry: _Entry) -> Optional[DecoderState]:
+        try:
+            state, meta = read_state(entry.path)
+        except FileNotFoundError:  # another process removed it: a miss
+            return None
+        except (OSError, ValueError) as e:
+            self._skip(entry.path, " ".join(str(e).split()))
+            return None
+        why = self.identity.mismatch(meta)
+        if why is None and (
+            tuple(state.history) != entry.tokens
+            or meta.get("tokens_sha256") != tokens_hash(state.history)
+            or state.drafter != entry.drafter
+        ):
+            why = "its tokens do not match its header"
+        if why is not None:
+            self._skip(entry.path, why)
+            return None
+        _touch(entry.path)
+        self.counts["loaded"] += 1
+        return state
+
+    def _entries(self) -> List[_Entry]:
+        """The files of this identity now in the directory (headers read
+        once per file)."""
+        entries, seen = [], set()
+        for item in _scan(self.directory):
+            if item.name.startswith(".") or not item.name.endswith(SUFFIX):
+                continue
+            st = _stat(item)
+            if st is None:
+                continue
+            key = (item.name, st.st_ino, st.st_size)
+            seen.add(key)
+            with self._lock:
+                known = key in self._index
+                entry = self._index.get(key)
+            if not known:
+                entry = self._describe(Path(item.path))
+                with self._lock:
+                    self._index[key] = entry
+            if entry is not None:
+                entries.append(entry)
+        with self._lock:  # forget files that are gone
+            for key in [k for k in self._index if k not in seen]:
+                del self._index[key]
+        return entries
+
+    def _describe(self, path: Path) -> Optional[_Entry]:
+        try:
+            meta = read_metadata(path)
+            why = self.identity.mismatch(meta)
+            if why is None:
+                tokens = tuple(int(t) for t in meta["tokens"].split(",") if t)
+                if tokens_hash(tokens) != meta.get("tokens_sha256"):
+                    why = "its tokens do not match their hash"
+                else:
+                    return _Entry(path, meta["drafter"], tokens, int(meta["pending"]))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError) as e:
+            why = " ".join(str(e).split()) or type(e).__name__
+        self._skip(path, why)
+        return None
+
+    # -- reporting -------------------------------------------------------------
+    def _skip(self, path: Path, why: str):
+        """Never load ``path`` again in this process; say so once."""
+        try:
+            st = path.stat()
+            with self._lock:
+                self._index[(path.name, st.st_ino, st.st_size)] = None
+        except OSError:
+            pass
+        self._warn_once(("skip", path.name), f"state file {path} skipped: {why}")
+
+    def _skipped(self, path: Path) -> bool:
+        """Whether ``path`` is a file this process skipped (so may replace)."""
+        try:
+            st = path.stat()
+        except OSError:
+            return False
+        key = (path.name, st.st_ino, st.st_size)
+        with self._lock:
+            return key in self._index and self._index[key] is None
+
+    def _warn_once(self, key, message: str):
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning(message)
+
+    def status(self) -> dict:
+        """For ``/health``: the directory, its files and bytes, what waits
+        to be written, and what was written, loaded and removed so far."""
+        sizes = [
+            st.st_size
+            for item in _scan(self.directory)
+            if not item.name.startswith(".") and item.name.endswith(SUFFIX)
+            for st in [_stat(item)]
+            if st is not None
+        ]
+        with self._lock:
+            queued = len(self._queued)
+        return {
+            "dir": str(self.directory),
+            "files": len(sizes),
+            "bytes": sum(sizes),
+            "max_bytes": self.max_bytes,
+            "queued": queued,
+            **self.counts,
+        }
+
+
+def _scan(directory: Path) -> List[os.DirEntry]:
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except OSError:  # the directory is gone or unreadable: nothing on disk
+        return []
+
+
+def _stat(entry: os.DirEntry):
+    try:
+        return entry.stat()
+    except OSError:  # removed since listing
+        return None
+
+
+def _remove(path: Path) -> bool:
+    try:
+        path.unlink()
+        return True
+    except OSError:
+        return False
+
+
+def _touch(path: Path):
+    """Mark ``path`` as used now (the LRU order is modification time)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
