@@ -23,23 +23,28 @@ from typing import Optional
 import mlx.core as mx
 
 from ..core.decode import SpeculativeDecoder, speculative_generate_step
+from ..core.snapshot import capture, drafter_name, restore
 from ..core.policy import most_drafts
 from ..core.stats import SpecStats
 from ..drafters import default_draft, make_drafter
 from ..generate import check_options
 from ..mlx_lm_compat import chat_arg_parser
 from ..models.pipeline import broadcast_text
+from ..server.state_cache import common_prefix
 from .model_files import load_model
 from .common import (
     CommandError,
     add_penalty_flags,
     add_pipeline_flag,
     add_speculation_flags,
+    add_state_dir_flags,
     bad_input,
     check_run_flags,
+    check_state_dir_flags,
     command,
     join_pipeline,
     logits_processors_from_flags,
+    open_state_store,
     refuse_unsupported,
     sampler_from_flags,
 )
@@ -56,13 +61,15 @@ COMMANDS = {
 }
 ALIASES = {"/exit": "/quit", "q": "/quit", "r": "/reset", "h": "/help"}
 HELP = "Commands: " + ", ".join(f"{c} ({what})" for c, what in COMMANDS.items())
+SHARED_MIN = 32  # tokens of a system prompt worth keeping a state for
 
 
 class ChatSession:
     """One conversation: turn prompts, the decoder and per-turn statistics."""
 
-    def __init__(self, model, tokenizer, args):
+    def __init__(self, model, tokenizer, args, store=None):
         self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.store = store  # states on disk (--state-dir): None when off
         self.sampler = sampler_from_flags(args, tokenizer)
         self.logits_processors = logits_processors_from_flags(args)
         self.session_stats = SpecStats()
@@ -99,9 +106,34 @@ class ChatSession:
             text = self.args.system_prompt + "\n" + text
         return tok.encode(text if first else "\n" + text, add_special_tokens=first)
 
+    def _from_store(self, tokens):
+        """``(tokens still to feed, tokens read from disk)`` of a first turn's
+        ``tokens``: the decoder takes the longest state on disk they
+        continue; without one, the system prompt's part is fed now and its
+        state kept there, so the next conversation with that system prompt
+        starts after it."""
+        draft = drafter_name(self.decoder.drafter)
+        state = self.store.lookup(draft, tokens[:-1])  # one token at least left
+        if state is not None:
+            restore(self.decoder, state)
+            n = len(state.history)
+            return tokens[n:], n - state.pending
+        shared = min(
+            common_prefix(tokens, self.turn_tokens(other)) for other in ("a", "b")
+        )
+        if shared < SHARED_MIN or shared >= len(tokens):
+            return tokens, 0
+        self.decoder.feed(tokens[:shared])
+        self.store.put(capture(self.decoder, copy_caches=True, flush=False))
+        return tokens[shared:], 0
+
     def reply(self, text: str, interrupted=lambda: False):
         """Yield the reply's text segments; stops early when ``interrupted()``."""
-        tokens = self.turn_tokens(text)
+        tokens, read = self.turn_tokens(text), 0
+        self.prefilled = len(tokens)
+        if self.store is not None and not self.decoder.history:
+            tokens, read = self._from_store(tokens)
+            self.prefilled -= read
         before = SpecStats(**vars(self.session_stats))
         detok = self.tokenizer.detokenizer
         detok.reset()
@@ -117,7 +149,6 @@ class ChatSession:
             stop_tokens=self.tokenizer.eos_token_ids,
             should_stop=interrupted,  # checked between passes: state stays whole
         )
-        self.prefilled = len(tokens)
         tic, n = time.perf_counter(), 0
         for token, _, _ in steps:
             if n == 0:
@@ -192,6 +223,12 @@ def setup_parser():
         "--prompt-cache-file",
         help="Load the session from this file if it exists, and save it to "
         "exactly this path on exit.",
+    )
+    add_state_dir_flags(
+        parser,
+        "the state where the system prompt ends is kept there, so a later "
+        "chat (or a server sharing DIR) with the same system prompt starts "
+        "after it",
     )
     return parser
 
@@ -285,6 +322,7 @@ def main(argv=None):
             check_writable(cache_file)
     if args.pipeline and cache_file:
         raise CommandError("--prompt-cache-file is not supported with --pipeline")
+    check_state_dir_flags(args)
     group = join_pipeline(args)
     model_path, model, tokenizer = load_model(
         args.model,
@@ -295,8 +333,9 @@ def main(argv=None):
         pipeline_group=group,
     )
     args.draft = args.draft or default_draft(model)
+    store = open_state_store(args, model, tokenizer, model_path)
     with bad_input():
-        chat = ChatSession(model, tokenizer, args)
+        chat = ChatSession(model, tokenizer, args, store)
         if cache_file:
             try:
                 load_session(cache_file, chat.decoder, model_path)
@@ -312,6 +351,8 @@ def main(argv=None):
         )
         _escape_bad_input_bytes()
         converse(chat, group)
+    if store is not None:
+        store.close()  # the states handed to its writer are written
     if cache_file:
         with bad_input(OSError):
             save_session(cache_file, chat.decoder, model_path)

@@ -22,33 +22,24 @@ from ..drafters import default_draft
 from ..server.engine import Engine, PipelineEngine
 from ..server.http import bind, make_app, serve
 from ..server.requests import ServerContext
-from ..state_store import DEFAULT_DIR, Identity, StateStore, check_state_dir
 from .model_files import load_model, model_name
 from .common import (
     CommandError,
     add_draft_options,
     add_pipeline_flag,
+    add_state_dir_flags,
     bad_input,
+    byte_size,
+    check_state_dir_flags,
     command,
     join_pipeline,
+    open_state_store,
     MODEL_HELP,
 )
 
 PROG = "mlx_spec server"
 API_KEY_ENV = "MLX_SPEC_API_KEY"
 ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
-
-
-def _size(text: str) -> int:
-    """``--prompt-cache-bytes``: a number of bytes, or with K/M/G/T (1024s)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B")
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
 
 
 def setup_parser():
@@ -103,26 +94,15 @@ def setup_parser():
     )
     p.add_argument(
         "--prompt-cache-bytes",
-        type=_size,
+        type=byte_size,
         default=1 << 30,
         help="Most bytes of conversation states kept, e.g. 2G (default: 1G).",
     )
-    p.add_argument(
-        "--state-dir",
-        metavar="DIR",
-        help="Also keep conversation states on disk in DIR (e.g. "
-        f"{DEFAULT_DIR}): states leaving memory and all of them when the "
-        "server stops are written there, and a later request (after a "
-        "restart too, or in another server sharing DIR) continues one. "
-        "Default: off.",
-    )
-    p.add_argument(
-        "--state-dir-bytes",
-        type=_size,
-        metavar="SIZE",
-        default=10 << 30,
-        help="Most bytes of states kept in --state-dir, least recently used "
-        "removed first, e.g. 20G (default: 10G).",
+    add_state_dir_flags(
+        p,
+        "states leaving memory and all of them when the server stops are "
+        "written there, and a later request (after a restart too, or in "
+        "another server sharing DIR) continues one",
     )
     p.add_argument(
         "--decode-concurrency",
@@ -180,12 +160,7 @@ def check_flags(args):
     _check_range("--max-tokens", args.max_tokens, 1)
     _check_range("--prompt-cache-size", args.prompt_cache_size, 0)
     _check_range("--prompt-cache-bytes", args.prompt_cache_bytes, 0)
-    _check_range("--state-dir-bytes", args.state_dir_bytes, 0)
-    if args.state_dir is not None:
-        if args.pipeline:
-            raise CommandError("--state-dir does not work with --pipeline")
-        with bad_input():
-            check_state_dir(args.state_dir)
+    check_state_dir_flags(args)
     _check_range("--decode-concurrency", args.decode_concurrency, 1)
     _check_range("--prefill-step-size", args.prefill_step_size, 1)
     _check_range("--prefill-chunk", args.prefill_chunk, 1)
@@ -224,12 +199,9 @@ def main(argv=None):
     engine_class, extra = Engine, {}
     if group is not None:
         engine_class, extra = PipelineEngine, {"group": group}
-    if args.state_dir is not None:
-        identity = Identity.of(model, tokenizer, model_name(args.model, path))
-        with bad_input(OSError):
-            extra["state_store"] = StateStore(
-                args.state_dir, args.state_dir_bytes, identity
-            )
+    store = open_state_store(args, model, tokenizer, model_name(args.model, path))
+    if store is not None:
+        extra["state_store"] = store
     with bad_input():
         engine = engine_class(
             model,
