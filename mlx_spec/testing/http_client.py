@@ -19,6 +19,16 @@ def post_json(port: int, path: str, body: Any, timeout: float = 120.0) -> Tuple:
         conn.close()
 
 
+def get_health(port: int, timeout: float = 30.0) -> Any:
+    """The parsed body of ``GET /health``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", "/health")
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
 def post_stream(port: int, path: str, body: Any, timeout: float = 120.0) -> List:
     """The JSON objects of the ``data:`` lines of a streamed POST (up to
     ``[DONE]``), after checking the status is 200."""

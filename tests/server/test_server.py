@@ -19,6 +19,7 @@ import pytest
 import mlx_spec
 from mlx_spec.mlx_lm_compat import server_message_helpers
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
+from mlx_spec.testing.http_client import get_health as health
 from mlx_spec.testing.server import (
     free_port,
     mlx_spec_server,
@@ -76,14 +77,6 @@ def post(port, path, body, raw=None):
     conn.close()
     is_json = r.getheader("Content-Type", "").startswith("application/json")
     return r.status, json.loads(text) if is_json else text
-
-
-def health(port):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request("GET", "/health")
-    body = json.loads(conn.getresponse().read())
-    conn.close()
-    return body
 
 
 def wait_idle(port, limit=600):

@@ -4,8 +4,6 @@ server process, and two server processes sharing one directory.
 Servers run on 127.0.0.1 on free ports and are always stopped; the reference
 text is a cold server's (one with an empty state directory)."""
 
-import http.client
-import json
 import time
 
 import mlx_lm
@@ -13,7 +11,7 @@ import pytest
 
 from mlx_spec.mlx_lm_compat import server_message_helpers
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
-from mlx_spec.testing.http_client import post_json
+from mlx_spec.testing.http_client import get_health as health, post_json
 from mlx_spec.testing.server import free_port, mlx_spec_server, running_server
 
 FIRST = [{"role": "user", "content": "def add(a, b):"}]
@@ -38,14 +36,6 @@ def chat(port, messages, max_tokens=12):
     assert status == 200, r
     cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
     return r["choices"][0]["message"]["content"], cached
-
-
-def health(port):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request("GET", "/health")
-    body = json.loads(conn.getresponse().read())
-    conn.close()
-    return body
 
 
 def wait_written(port, limit=600):
