@@ -14,6 +14,11 @@ Switches (``--switch``):
   after ``PREFILLED_LONG_CONTEXT``, as models that must prefill it are).
 - ``stall-bound``: ``auto``'s cost fits count a pass as at most
   ``TUNING.stall_bound`` times what they expected (off: every pass in full).
+- ``cost-probes``: while drafting, ``auto`` runs a plain pass now and then to
+  time one (``TUNING.plain_probe_weight``; off: never).
+- ``probe-spacing``: probes at ``k = 0`` back off when rejected and never
+  cost more than ``TUNING.probe_budget`` of the plain passes (off: one every
+  ``TUNING.probe_every`` plain passes, whatever it cost).
 - ``processor-drafts``: with logits processors (``--repetition-penalty``) a
   greedy target gets the head's argmax after them as drafts
   (``make_draft_sampler`` in ``mlx_spec/core/sampling.py``; off: the raw
@@ -79,6 +84,12 @@ def _tuning_switch(field: str, off):
 _depth_probes = _tuning_switch("depth_evidence", 0.0)
 _long_profile = _tuning_switch("long_profile", False)
 _stall_bound = _tuning_switch("stall_bound", float("inf"))
+_cost_probes = _tuning_switch("plain_probe_weight", 0.0)
+
+
+def _probe_spacing(on: bool):
+    _tuning_switch("probe_budget", float("inf"))(on)
+    _tuning_switch("max_probe_every", PolicyTuning().probe_every)(on)
 
 
 def _draft_sampler_switch(adjust):
@@ -142,6 +153,8 @@ SWITCHES = {
     "depth-probes": _depth_probes,
     "long-profile": _long_profile,
     "stall-bound": _stall_bound,
+    "cost-probes": _cost_probes,
+    "probe-spacing": _probe_spacing,
     "processor-drafts": _draft_sampler_switch(_raw_when_greedy),
     "processor-hindsight": _draft_sampler_switch(_unjudged),
     "copy-agreement": _copy_agreement,
