@@ -226,14 +226,18 @@ def test_a_directory_refusing_writes_costs_a_warning_not_a_request(
 
 
 def test_memory_stays_flat_over_many_writes_and_loads(models, tmp_path, no_eos):
+    model, tok = models["qwen3_next"]
     engine = make_engine(models, "qwen3_next", "mtp+ngram", tmp_path, cache_bytes=0)
-    store = engine.store
+    # A store of its own: the engine's writer may still be writing its
+    # states, whose files the cycles below would remove under it.
+    cycles = tmp_path / "cycles"
+    store = StateStore(cycles, BIG, Identity.of(model, tok, "qwen3_next"))
     try:
         state = kept_state(engine, prompts("mixed"), 8)
         prompt = state.history + [3]
 
         def cycle():
-            for p in tmp_path.iterdir():
+            for p in cycles.iterdir():
                 p.unlink()
             store.put(state)
             assert store.flush(timeout=120)
@@ -250,6 +254,7 @@ def test_memory_stays_flat_over_many_writes_and_loads(models, tmp_path, no_eos):
         assert grown < state.nbytes, (grown, state.nbytes)
         assert store.counts["written"] >= 33 and store.counts["loaded"] >= 33
     finally:
+        store.close()
         engine.close()
 
 
