@@ -41,21 +41,21 @@ from ..models.packed import pack_positions
 from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
 from .batch_row import BatchRow
-from .batch_policy import PassLength, copies_pay, draft_lengths, plain_ahead
+from .batch_policy import (
+    PassLength,
+    copies_pay,
+    draft_lengths,
+    head_catch_up,
+    plain_ahead,
+)
 from .sequence import NO_DRAFT, SpeculativeDecoder
 from .pass_cost import PassCost, PassShape
-from .policy import make_policy, pass_cost_model
+from .policy import pass_cost_model, policies_by_source
 from .row_caches import BatchCaches, RowCaches, SequenceCaches
 from .row_guard import RowFailed, RowGuard
 from .sampling import make_draft_sampler, make_sampler
 from .stats import PhaseClock, SpecStats
 from .target import Target, queue_after
-
-
-def _own_head_rows(row: BatchRow) -> int:
-    """Rows a row's own MTP head has to catch up on before it drafts."""
-    head = head_drafter(row.decoder.drafter)
-    return head.pending_rows if head is not None else 0
 
 
 class _Verdict(NamedTuple):
@@ -179,9 +179,7 @@ class BatchDecoder:
         if auto and decoder.drafter is not None:
             if self.cost is None:  # one model prices every row's passes
                 self.cost = pass_cost_model(self.model, verify_costs)
-            policy = make_policy(
-                self.model, verify_costs, self.group, self.max_draft, self.cost
-            )
+            policy = policies_by_source(self.cost, self.max_draft, self.group)
             if self.lengths is None and self.n_slots > 1:
                 self.lengths = PassLength(self.cost, self.group)
         id, self._next_id = self._next_id, self._next_id + 1
@@ -270,7 +268,7 @@ class BatchDecoder:
             drafting = [(self.rows[b].decoder.drafter, k) for b, k in ks.items()]
             head_steps, catch_up = self.heads.draft_rows(drafting)
         else:  # a head of its own catches up on its rows as it drafts
-            catch_up = sum(_own_head_rows(self.rows[b]) for b in active if ks[b])
+            catch_up = head_catch_up(self.rows, [b for b in active if ks[b]])
         drafts, seconds = {}, {}  # b -> [m] draft; None: made on the device
         for b in active:
             drafts[b], seconds[b] = self.rows[b].draft(ks[b], self.heads)

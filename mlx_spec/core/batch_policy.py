@@ -37,6 +37,7 @@ __all__ = [
     "copies_pay",
     "draft_lengths",
     "expected_tokens",
+    "head_catch_up",
     "plain_ahead",
 ]
 
@@ -118,6 +119,7 @@ class PassLength(_ProbeFields):
         cost, longest = self.cost, 1 + max(len(copies), len(heads), fixed + 1)
         forward = [0.0] + [cost.forward(rows * T, context) for T in range(1, longest)]
         copy_rows, head_rows, other_rows = drafters
+        theta = cost.coefficients()
         best, best_speed = (0, 0), None
         for k, copy_tokens in enumerate(copies):
             for kh, head_tokens in enumerate(heads):
@@ -131,7 +133,7 @@ class PassLength(_ProbeFields):
                     context,
                 )
                 f = cost.features(shape, forward[T])
-                seconds = max(sum(a * b for a, b in zip(f, cost.coefficients())), 1e-9)
+                seconds = max(sum(a * b for a, b in zip(f, theta)), 1e-9)
                 speed = (others + copy_tokens + head_tokens) / seconds
                 if best_speed is None or speed > best_speed:
                     best, best_speed = (k, kh), speed
@@ -208,7 +210,7 @@ def draft_lengths(
         (b,) = auto
         row = rows[b]
         room = min(row.max_draft, row.remaining - 1, row.decoder.draft_room())
-        catch_up = _catch_up(rows, [b]) if b in heads else 0
+        catch_up = head_catch_up(rows, [b]) if b in heads else 0
         ks[b] = row.policy.active.choose(room, len(row.decoder.history), catch_up)
     elif auto:
         if judged:  # as for one sequence, judgements stand in for probes
@@ -228,7 +230,7 @@ def draft_lengths(
             float(len(ks)),  # rows not auto: one token each, at least
             group(True),
             max((ks[b] for b in heads if b in ks), default=0),
-            _catch_up(rows, [b for b in auto if b in heads]),
+            head_catch_up(rows, [b for b in auto if b in heads]),
             _mean_context(rows, active),
             sum(k > 0 for k in ks.values()),
         )
@@ -244,13 +246,16 @@ def _mean_context(rows, active: List[int]) -> int:
     return sum(len(rows[b].decoder.history) for b in active) // len(active)
 
 
-def _catch_up(rows, drafting: List[int]) -> int:
-    """Positions of the catch-up that runs before the head rows ``drafting``
-    draft: every member head's row, padded to the longest of their deferred
-    rows (see :meth:`~mlx_spec.core.batch_mtp.MTPBatch.catch_up`)."""
+def head_catch_up(rows, drafting: List[int]) -> int:
+    """Positions of the catch-up that runs before the rows ``drafting`` draft
+    with their heads: every member head's row, padded to the longest of the
+    drafting heads' deferred rows (see
+    :meth:`~mlx_spec.core.batch_mtp.MTPBatch.catch_up`; a row alone: its own
+    head's deferred rows). Rows without a head add nothing."""
     heads = [head_drafter(row.decoder.drafter) for row in rows]
     members = sum(h is not None for h in heads)
-    return members * max((heads[b].pending_rows for b in drafting), default=0)
+    pending = (heads[b].pending_rows for b in drafting if heads[b] is not None)
+    return members * max(pending, default=0)
 
 
 def copies_pay(

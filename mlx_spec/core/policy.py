@@ -45,20 +45,6 @@ def pass_cost_model(model, verify_costs: Optional[List[float]] = None) -> PassCo
     return PassCost(cost_profile(model), head_step_cost(model) or 0.0)
 
 
-def make_policy(
-    model,
-    verify_costs: Optional[List[float]] = None,
-    group=None,
-    max_draft: int = MAX_AUTO_DRAFT_TOKENS,
-    cost: Optional[PassCost] = None,
-) -> "SourcePolicies":
-    """The auto policy for ``model`` (per draft source), pricing passes by
-    ``cost`` (default: :func:`pass_cost_model` of ``model``)."""
-    if cost is None:
-        cost = pass_cost_model(model, verify_costs)
-    return policies_by_source(cost, max_draft, group)
-
-
 def policies_by_source(
     costs,
     max_draft: int = MAX_AUTO_DRAFT_TOKENS,

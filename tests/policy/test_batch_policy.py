@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_spec.core.batch import BatchDecoder
-from mlx_spec.core.batch_policy import PassLength, _catch_up
+from mlx_spec.core.batch_policy import PassLength, head_catch_up
 from mlx_spec.core.cost_profile import as_cost_profile
 from mlx_spec.core.pass_cost import PassCost, PassShape
 from mlx_spec.core.policy_tuning import TUNING
@@ -209,9 +209,9 @@ def test_the_catch_up_counts_every_member_padded_to_the_longest():
 
     heads = [MTPDrafter(head=None) for _ in range(3)]
     rows = [row(heads[0], 5), row(NgramDrafter()), row(heads[1], 2), row(heads[2])]
-    assert _catch_up(rows, [0, 2]) == 3 * 5
-    assert _catch_up(rows, [2]) == 3 * 2
-    assert _catch_up(rows, [3]) == _catch_up(rows, []) == 0
+    assert head_catch_up(rows, [0, 2]) == 3 * 5
+    assert head_catch_up(rows, [2]) == 3 * 2
+    assert head_catch_up(rows, [3]) == head_catch_up(rows, []) == 0
 
 
 class _NothingToCopy(Drafter):

@@ -6,7 +6,7 @@ import pytest
 
 from mlx_spec.core.cost_profile import CostProfile, as_cost_profile
 from mlx_spec.core.pass_cost import PassCost, PassShape
-from mlx_spec.core.policy import make_policy
+from mlx_spec.core.policy import pass_cost_model, policies_by_source
 
 # One sequence's verify forward: 6 ms plus 1 ms per token (T = 1..9).
 PROFILE = [0.006 + 0.001 * t for t in range(9)]
@@ -114,7 +114,7 @@ def test_every_source_and_the_batch_share_one_model(models):
     from mlx_spec.testing.reference import fed_decoder, prompts
 
     model, _ = models["qwen3_next"]
-    policies = make_policy(model)
+    policies = policies_by_source(pass_cost_model(model))
     assert policies.select("mtp").cost is policies.select("ngram").cost
     batch = BatchDecoder(model, n_slots=2, max_draft=4)
     for seed in (1, 2):

@@ -97,11 +97,11 @@ def test_exchange_learns_hindsight_and_tells_which_sources_pay():
 
 
 def test_the_heads_drafts_start_from_its_measured_step_cost(models):
-    from mlx_spec.core.policy import make_policy
+    from mlx_spec.core.policy import pass_cost_model, policies_by_source
     from mlx_spec.core.verify_profile import head_step_cost
 
     model, _ = models["qwen3_next"]
-    policies = make_policy(model)
+    policies = policies_by_source(pass_cost_model(model))
     head, copies = policies.select("mtp"), policies.select("ngram")
     assert head.cost is copies.cost  # one model prices every source's passes
     assert head.cost.fitted()["per_head_step"] == head_step_cost(model) > 0
