@@ -10,6 +10,7 @@ from . import mlx_lm_compat
 from .hub import resolve_model, resolve_mtp_path
 from .models.fast_layers import enable_fast_layers
 from .models.gdn import make_verifiable
+from .models.identity import record_sources, weight_files
 from .models.mtp import attach_mtp_head
 from .models.pipeline import split_model
 
@@ -93,4 +94,8 @@ def load(
         if not lazy:
             mx.eval(model.parameters())
     attach_mtp_head(model, path, mtp_path=mtp_path, lazy=lazy)
-    return prepare_model(upcast_experts_on_cpu(model)), tokenizer
+    model = prepare_model(upcast_experts_on_cpu(model))
+    info = model.__dict__.get("mtp_info")
+    head_files = [Path(f) for f in info.files] if info is not None else []
+    record_sources(model, weight_files(path, kwargs.get("adapter_path")), head_files)
+    return model, tokenizer

@@ -35,11 +35,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .core.snapshot import DecoderState
-from .models.fingerprint import (
-    head_fingerprint,
-    model_fingerprint,
-    tokenizer_fingerprint,
-)
+from .models.fingerprint import tokenizer_fingerprint
+from .models.identity import head_fingerprint, model_fingerprint
 from .state_file import (
     plain_state,
     read_metadata,

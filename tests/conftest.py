@@ -28,7 +28,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "seeded"))
 def _private_cache_dir(tmp_path_factory):
     """Measured verify-cost profiles go to a folder of this test session (and
     of the commands it starts), never the user's cache."""
-    from mlx_spec.core.verify_profile import CACHE_DIR_ENV
+    from mlx_spec.cache_dir import CACHE_DIR_ENV
 
     saved = os.environ.get(CACHE_DIR_ENV)
     os.environ[CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("mlx_spec_cache"))

@@ -13,7 +13,7 @@ whatever its suffix.
 from pathlib import Path
 
 from ..core.snapshot import capture, drafter_name, restore
-from ..models.fingerprint import model_fingerprint
+from ..models.identity import model_fingerprint
 from ..state_file import check_writable, plain_state, read_state, write_state
 
 FORMAT = "mlx_spec.session.v1"

@@ -21,7 +21,8 @@ import mlx.core as mx
 
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
 from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
-from ..models.fingerprint import model_fingerprint
+from ..cache_dir import cache_dir
+from ..models.identity import model_fingerprint
 from .cost_profile import SHORT_CONTEXT, CostProfile
 from .policy_tuning import TUNING
 
@@ -30,8 +31,6 @@ from .policy_tuning import TUNING
 # of a busy machine's noise (see long_context).
 LONG_CONTEXT, PREFILLED_LONG_CONTEXT = 8224, 1056
 SEED_TOKENS = 32  # tokens run through the model before a long scratch context
-
-CACHE_DIR_ENV = "MLX_SPEC_CACHE_DIR"  # default: ~/.cache/mlx_spec
 
 # (id(model), context) -> costs; ("cost profile", id(model)) -> CostProfile
 _profiles: Dict[tuple, object] = {}
@@ -211,8 +210,7 @@ def _written_directly(cache: list) -> bool:
 
 
 def profile_cache_file() -> Path:
-    root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "mlx_spec"
-    return Path(root) / "verify_costs.json"
+    return cache_dir() / "verify_costs.json"
 
 
 def _profile_key(model, max_tokens: int, context) -> str:

@@ -1,7 +1,6 @@
-"""Which model is this? Fingerprints for MTP sidecars, sessions, profiles and
-kept states (with the MTP head's and the tokenizer's).
-
-Two kinds, both computed from the model as loaded (quantised or not):
+"""Which model is this, roughly? A weight signature for MTP sidecars, and
+the tokenizer's fingerprint (the exact identity of a model's weights is
+:mod:`.identity`'s).
 
 - a **weight signature**: a few fixed rows of the embedding and of the output
   head (the weights an MTP head shares with its target), dequantised to
@@ -10,9 +9,7 @@ Two kinds, both computed from the model as loaded (quantised or not):
   written for one conversion of a checkpoint fits another conversion of the
   same weights (quantisation moves the rows little) but never another model
   with the same config (unrelated rows are close to orthogonal).
-- an exact **fingerprint** string: a hash of the config and of the exact
-  signature, for what must match bit for bit (a chat session's caches, a
-  measured verify-cost profile).
+- a **tokenizer fingerprint**: a hash of its vocabulary.
 """
 
 import hashlib
@@ -74,31 +71,6 @@ def same_weights(a: np.ndarray, b: np.ndarray) -> bool:
         if norm == 0 or float(np.dot(x, y)) / norm < SAME_WEIGHTS_COSINE:
             return False
     return True
-
-
-def model_fingerprint(model) -> str:
-    """A short exact hash of ``model``'s config and weight signature."""
-    args = getattr(model, "args", None)
-    config = vars(args) if args is not None else {}
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    digest.update(weight_signature(model).tobytes())
-    return digest.hexdigest()[:16]
-
-
-def head_fingerprint(model) -> str:
-    """A short exact hash of the attached MTP head's weights (names, shapes
-    and first values of each), or "" without one: states drafted with one
-    head are not continued with another."""
-    head = getattr(model, "__dict__", {}).get("mtp_head")
-    if head is None:
-        return ""
-    from mlx.utils import tree_flatten
-
-    digest = hashlib.sha256()
-    for name, w in sorted(tree_flatten(head.parameters()), key=lambda kv: kv[0]):
-        digest.update(f"{name}{w.shape}{w.dtype}".encode())
-        digest.update(np.array(w.reshape(-1)[:16].astype(mx.float32)).tobytes())
-    return digest.hexdigest()[:16]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -303,3 +303,33 @@ def write_tiny_checkpoint(
         json.dumps(tokenizer_config(dims["max_position_embeddings"]), indent=2) + "\n"
     )
     return out
+
+
+def fine_tune_copy(
+    src: Union[str, pathlib.Path],
+    dst: Union[str, pathlib.Path],
+    layer: int = 3,
+    factor: float = 1.5,
+) -> str:
+    """Copy the model directory ``src`` to ``dst`` with one tensor changed,
+    as a fine-tune of one layer would: the attention output projection of
+    ``layer`` (or, where that layer has none, its first projection) scaled
+    by ``factor``. Everything else, the config and the other tensors
+    included, is byte for byte the same. Returns the changed tensor's name."""
+    import shutil
+
+    import mlx.core as mx
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    shutil.copytree(src, dst)
+    (shard,) = [f for f in dst.glob("*.safetensors") if f.name.startswith("model")]
+    tensors, metadata = mx.load(str(shard), return_metadata=True)
+    names = sorted(n for n in tensors if f"layers.{layer}." in n and "mtp" not in n)
+    name = next((n for n in names if "o_proj.weight" in n), None) or next(
+        n for n in names if n.endswith("proj.weight")
+    )
+    weight = tensors[name]
+    tensors[name] = (weight.astype(mx.float32) * factor).astype(weight.dtype)
+    shard.unlink()  # a new file, as a trainer's save writes one
+    mx.save_safetensors(str(shard), tensors, metadata)
+    return name

@@ -14,6 +14,7 @@ import mlx_spec.core.verify_profile as verify_profile
 from mlx_spec.core.cost_profile import CostProfile
 from mlx_spec.core.policy import policies_by_source
 from mlx_spec.core.policy_tuning import TUNING
+from mlx_spec.cache_dir import CACHE_DIR_ENV
 
 # A quiet machine's verify forward over T = 1..9 tokens (T = 9 at 2.7x), and
 # one measured while it was busy: T = 1 at 2x, T = 9 at 3.7x that.
@@ -106,7 +107,7 @@ def test_a_corrected_profile_is_written_back_and_read_by_the_next_process(
     """A profile measured while the machine was busy (injected: the
     measurement returns BUSY), corrected by fast passes: the cache file holds
     the correction, and a new process starts from it."""
-    monkeypatch.setenv(verify_profile.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(verify_profile, "_profiles", {})
     measured = []
 
@@ -163,7 +164,7 @@ def generate_on_a_busy_profile(models, monkeypatch, tmp_path, runs=2):
     from mlx_spec.core.decode import speculative_generate_step
     from mlx_spec.testing.reference import OracleDrafter, prompts, reference_tokens
 
-    monkeypatch.setenv(verify_profile.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(verify_profile, "_profiles", {})
 
     def measure(model, max_tokens, repeats=3, context=verify_profile.SHORT_CONTEXT):

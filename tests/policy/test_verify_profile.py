@@ -8,6 +8,7 @@ import mlx_spec
 import mlx_spec.core.verify_profile as profile
 from mlx_spec.core.verify_profile import verify_cost_profile
 from mlx_spec.testing.reference import prompts
+from mlx_spec.cache_dir import CACHE_DIR_ENV
 
 
 def test_verify_cost_profile_is_cached_and_positive(models):
@@ -20,7 +21,7 @@ def test_verify_cost_profile_is_cached_and_positive(models):
 @pytest.fixture
 def fresh_profiles(monkeypatch, tmp_path):
     """An empty profile cache on disk and in the process; counts measurements."""
-    monkeypatch.setenv(profile.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(profile, "_profiles", {})
     measured = []
     real = profile.measure_verify_costs
@@ -71,7 +72,7 @@ def test_unwritable_profile_cache_only_costs_a_measurement(
 ):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv(profile.CACHE_DIR_ENV, str(blocker / "sub"))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(blocker / "sub"))
     model, _ = models["qwen3_5"]
     assert len(verify_cost_profile(model, 2)) == 2 and fresh_profiles == [2]
 
