@@ -19,28 +19,28 @@ onto it when complete, so a reader (another process included) sees either
 the old file or the new one whole, never a part.
 """
 
+import errno
 import json
 import os
+import stat
 import struct
 import tempfile
-from array import array
 import zlib
+from array import array
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, Tuple
+from typing import BinaryIO, Dict, Iterator, List, Tuple
 
 import mlx.core as mx
+from mlx.utils import tree_unflatten
 
 from .core.snapshot import DecoderState
 from .core.state import GDNSlotCache
-from .mlx_lm_compat import (
-    ArraysCache,
-    KVCache,
-    load_prompt_cache,
-    save_prompt_cache,
-)
+from .mlx_lm_compat import ArraysCache, KVCache, save_prompt_cache
 
 MAX_HEADER = 16 << 20  # bytes: a longer safetensors header is not ours
+MAX_DEFERRED = 1 << 20  # deferred passes a file may say it holds
+CACHE_CLASSES = ("KVCache", "ArraysCache")  # what write_state writes
 
 
 def _plain_cache(cache):
@@ -91,10 +91,14 @@ def _state_arrays(state: DecoderState) -> Iterator[mx.array]:
         yield from (t, h)
 
 
-def state_crc(state: DecoderState) -> str:
-    """CRC-32 of the shapes, types and bytes of ``state``'s (evaluated,
+def state_crc(state: DecoderState, fields: Dict[str, str], classes: List[str]) -> str:
+    """CRC-32 of everything a state file's reader reads: its metadata
+    ``fields`` (but the CRC itself), its cache ``classes``, the token
+    history and the shapes, types and bytes of ``state``'s (evaluated,
     contiguous) arrays, as 8 hex digits."""
-    crc = zlib.crc32(array("I", state.history).tobytes())
+    told = {k: v for k, v in fields.items() if k != "crc32"}
+    crc = zlib.crc32(json.dumps([told, classes], sort_keys=True).encode())
+    crc = zlib.crc32(array("I", state.history).tobytes(), crc)
     for a in _state_arrays(state):
         crc = zlib.crc32(f"{a.dtype}{a.shape}".encode(), crc)
         crc = zlib.crc32(memoryview(a), crc)
@@ -138,18 +142,18 @@ def write_state(path, state: DecoderState, metadata: Dict[str, str]):
     history = _entry([mx.array(state.history, mx.uint32), state.last_hidden])
     deferred = [a for rows in state.drafter_deferred for a in rows]
     caches = state.caches + [history, _entry(state.drafter_arrays), _entry(deferred)]
-    meta = {
+    fields = {
         **metadata,
         "drafter": state.drafter,
         "n_target": str(len(state.caches)),
         "pending": str(state.pending),
         "n_deferred": str(len(state.drafter_deferred)),
-        "crc32": state_crc(state),
     }
+    fields["crc32"] = state_crc(state, fields, [type(c).__name__ for c in caches])
     path = Path(path)
     tmp = temp_file_beside(path)
     try:
-        save_prompt_cache(str(tmp), caches, meta)
+        save_prompt_cache(str(tmp), caches, fields)
         with open(tmp, "rb+") as f:  # on disk before it has its name
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -157,76 +161,174 @@ def write_state(path, state: DecoderState, metadata: Dict[str, str]):
         tmp.unlink(missing_ok=True)
 
 
-def read_metadata(path) -> Dict[str, str]:
-    """The metadata of a state file, from its header alone (cheap: no
-    array is read); ``ValueError`` for a file that is not a safetensors
-    file, ``OSError`` for one that cannot be read."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER:
-            raise ValueError(f"a safetensors header of {n} bytes")
-        text = f.read(n)
+@contextmanager
+def open_regular(path) -> Iterator[BinaryIO]:
+    """``path`` opened for reading if it is a regular file: never a link
+    (its last part), a pipe or a device, and without blocking on one.
+    ``FileNotFoundError`` for a missing file, ``ValueError`` for anything
+    that is not a regular file, ``OSError`` for one that cannot be read."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{str(path)!r} is a link, not a state file") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{str(path)!r} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        yield f
+
+
+def _header(f: BinaryIO) -> dict:
+    """The JSON header of the safetensors file ``f``."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise ValueError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER:
+        raise ValueError(f"a safetensors header of {n} bytes")
+    text = f.read(n)
     if len(text) < n:
         raise ValueError("truncated in its header")
     try:
         header = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError("its header is not JSON") from None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict):
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
         raise ValueError("its header has no metadata")
+    return header["__metadata__"]
+
+
+def _fields(raw: Dict[str, str]) -> Dict[str, str]:
     # save_prompt_cache flattens [metadata, classes, scalars]: ours is "0.*"
-    return {k[2:]: v for k, v in meta.items() if k.startswith("0.")}
+    return {k[2:]: v for k, v in raw.items() if k.startswith("0.")}
 
 
-@contextmanager
-def _safetensors_name(path: Path):
-    """A name for ``path`` ending in ``.safetensors``: ``mx.load``, which
-    ``load_prompt_cache`` calls, tells the format from the suffix."""
-    if path.suffix == ".safetensors":
-        yield path
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        link = Path(tmp) / "session.safetensors"
-        link.symlink_to(path.resolve())
-        yield link
+def read_metadata(path) -> Dict[str, str]:
+    """The metadata of a state file, from its header alone (cheap: no
+    array is read; not checked against the CRC, which covers the arrays
+    too); ``ValueError`` for a file that is not a regular safetensors file,
+    ``OSError`` for one that cannot be read."""
+    with open_regular(path) as f:
+        return _fields(_header(f))
+
+
+def _count(fields: Dict[str, str], name: str, most: int) -> int:
+    """The metadata field ``name``: a whole number in 0..``most``."""
+    text = fields.get(name)
+    if not isinstance(text, str) or not text.isdecimal() or int(text) > most:
+        raise ValueError(f"its metadata field {name!r} is {text!r:.40}")
+    return int(text)
+
+
+def _caches(arrays: Dict[str, mx.array], raw: Dict[str, str]) -> Tuple[list, list]:
+    """``(layer caches, class names)`` of a file written by
+    :func:`write_state`, read as ``save_prompt_cache`` flattened them: only
+    the two mlx-lm cache classes it writes are built, each by its own state
+    setter, and only from arrays and whole numbers."""
+    _, classes, scalars = tree_unflatten(list(raw.items()))
+    if not isinstance(classes, list) or any(c not in CACHE_CLASSES for c in classes):
+        raise ValueError("it names cache classes a state file does not hold")
+    for item in scalars[1:]:
+        if not (isinstance(item, list) and len(item) == 2 and item[0] in arrays):
+            raise ValueError("its list of scalar values is damaged")
+        position, kind = item
+        if kind == "none":
+            arrays[position] = None
+        elif kind == "scalar" and arrays[position].size == 1:
+            arrays[position] = int(arrays[position].item())
+        else:
+            raise ValueError(f"it holds a {kind!r:.20} value a state file does not")
+    states = tree_unflatten(list(arrays.items()))
+    if not isinstance(states, list) or len(states) != len(classes):
+        raise ValueError("its arrays do not match its cache classes")
+    caches = []
+    for i, (name, state) in enumerate(zip(classes, states)):
+        if name == "KVCache":
+            cache = KVCache.from_state(state)
+            whole = isinstance(cache.offset, int) and all(
+                isinstance(a, mx.array) and a.ndim == 4
+                for a in (cache.keys, cache.values)
+            )
+        else:
+            cache = ArraysCache.from_state(state)
+            whole = (
+                isinstance(cache.cache, list)
+                and all(a is None or isinstance(a, mx.array) for a in cache.cache)
+                and cache.left_padding is None
+                and cache.lengths is None
+            )
+        if not whole:
+            raise ValueError(f"its cache {i} is not a whole {name}")
+        caches.append(cache)
+    return caches, classes
+
+
+def _check_layout(state: DecoderState):
+    """Refuse a state whose parts do not fit together (whatever the file's
+    bytes, a state that loads can be restored and decoded from)."""
+    n = len(state.history)
+    if n < 1 or n < state.pending:
+        raise ValueError(f"its history holds {n} tokens")
+    if state.pending and state.last_hidden is not None:
+        raise ValueError("it has a hidden state for its pending token")
+    if state.last_hidden is not None and state.last_hidden.ndim != 2:
+        raise ValueError(f"its hidden state has shape {state.last_hidden.shape}")
+    for i, c in enumerate(state.caches):
+        if isinstance(c, KVCache) and (
+            c.keys.shape != c.values.shape
+            or c.offset != n - state.pending
+            or c.keys.shape[2] != c.offset
+        ):
+            raise ValueError(
+                f"its layer {i} holds {c.offset} positions, its history "
+                f"{n - state.pending}"
+            )
+    for tokens, hidden in state.drafter_deferred:
+        if tokens.ndim != 1 or hidden.ndim != 2 or hidden.shape[0] != tokens.size:
+            raise ValueError("its deferred rows do not fit together")
 
 
 def read_state(path) -> Tuple[DecoderState, Dict[str, str]]:
     """The state and metadata of a file written by :func:`write_state`, its
-    arrays evaluated. ``FileNotFoundError`` for a missing file (one another
-    process removed is just gone); ``ValueError`` naming the file for any
-    that is not a whole, unchanged state file."""
+    arrays evaluated. ``path`` must be a regular file, not a link (resolve a
+    link the user gave first). ``FileNotFoundError`` for a missing file (one
+    another process removed is just gone); ``ValueError`` naming the file
+    for any that is not a whole, unchanged state file."""
     path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"prompt cache file {str(path)!r} is a directory")
     try:
-        with _safetensors_name(path) as name:
-            caches, meta = load_prompt_cache(str(name), return_metadata=True)
-        n = int(meta["n_target"])
-        pending, n_deferred = int(meta.get("pending", 0)), int(
-            meta.get("n_deferred", 0)
-        )
-        history, last_hidden = caches[n].cache
-        drafter_arrays = [a for a in caches[n + 1].cache if a is not None]
-        rows = caches[n + 2].cache if n_deferred else []
+        with open_regular(path) as f:
+            arrays, raw = mx.load(f, format="safetensors", return_metadata=True)
+        fields = _fields(raw)
+        caches, classes = _caches(arrays, raw)
+        n = _count(fields, "n_target", len(caches) - 3)
+        if len(caches) != n + 3:
+            raise ValueError("its layout does not match its metadata")
+        pending = _count(fields, "pending", 1)
+        n_deferred = _count(fields, "n_deferred", MAX_DEFERRED)
+        history, last_hidden = (caches[n].cache + [None])[:2]
+        if history is None or history.ndim != 1 or history.dtype != mx.uint32:
+            raise ValueError("it holds no token history")
+        rows = [a for a in caches[n + 2].cache if a is not None]
+        if len(rows) != 2 * n_deferred or len(caches[n].cache) != 2:
+            raise ValueError("its layout does not match its metadata")
+        if "crc32" not in fields or not isinstance(fields.get("drafter"), str):
+            raise ValueError("its metadata has no checksum or drafter")
         state = DecoderState(
             history.tolist(),
             last_hidden,
             caches[:n],
-            meta["drafter"],
-            drafter_arrays,
+            fields["drafter"],
+            [a for a in caches[n + 1].cache if a is not None],
             pending,
             list(zip(rows[0::2], rows[1::2])),
         )
-        if len(state.drafter_deferred) != n_deferred or pending not in (0, 1):
-            raise ValueError("its layout does not match its metadata")
         mx.eval(list(_state_arrays(state)))
-        if "crc32" in meta and state_crc(state) != meta["crc32"]:
-            raise ValueError("its arrays do not match their checksum")
+        if state_crc(state, fields, classes) != fields["crc32"]:
+            raise ValueError("its contents do not match their checksum")
+        _check_layout(state)
     except FileNotFoundError:
         raise
     except Exception as e:  # whatever the bytes are, the file is unreadable
@@ -234,4 +336,4 @@ def read_state(path) -> Tuple[DecoderState, Dict[str, str]]:
         raise ValueError(
             f"{str(path)!r} is not a readable prompt cache file ({text})"
         ) from None
-    return state, meta
+    return state, fields

@@ -5,18 +5,27 @@ file with the token history and the drafter's state after the target's
 caches). Before saving, the pending token is processed, so its first
 ``n_target`` entries are exactly the prompt cache plain decoding of the
 conversation would have: ``mlx_lm.models.cache.load_prompt_cache`` reads
-them. The metadata names the model (a fingerprint of its config and
-weights) and the drafter. The file is written to exactly the path given,
-whatever its suffix.
+them. The metadata names the model (the identity of every byte of its
+weights, :mod:`mlx_spec.models.identity`) and the drafter. The file is
+written to exactly the path given, whatever its suffix. Files of the first
+version named the model by its config and a few weight rows only, so that a
+fine-tune passed for its base: they are refused, with a message saying so.
 """
 
 from pathlib import Path
 
 from ..core.snapshot import capture, drafter_name, restore
 from ..models.identity import model_fingerprint
-from ..state_file import check_writable, plain_state, read_state, write_state
+from ..state_file import (
+    check_writable,
+    plain_state,
+    read_metadata,
+    read_state,
+    write_state,
+)
 
-FORMAT = "mlx_spec.session.v1"
+FORMAT = "mlx_spec.session.v2"
+EARLIER_FORMATS = ("mlx_spec.session.v1",)
 
 __all__ = ["FORMAT", "check_writable", "load_session", "save_session"]
 
@@ -41,12 +50,24 @@ def load_session(path, decoder, model_name: str = ""):
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"prompt cache file {str(path)!r} does not exist")
-    state, meta = read_state(path)
+    real = path.resolve()  # a link the user made is followed, once, here
+    try:
+        earlier = read_metadata(real).get("format") in EARLIER_FORMATS
+    except ValueError as e:
+        raise ValueError(
+            f"{str(path)!r} is not a readable prompt cache file ({e})"
+        ) from None
+    if earlier:
+        raise ValueError(
+            f"{str(path)!r} was saved by an earlier mlx_spec, whose session files "
+            "cannot tell which weights they were made with; start a new session"
+        )
+    state, meta = read_state(real)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not an mlx_spec session file")
     if meta.get("model") != model_fingerprint(decoder.model):
         raise ValueError(
-            f"{str(path)!r} was saved for another model "
+            f"{str(path)!r} was saved for another model or other weights "
             f"({meta.get('model_name') or meta.get('model')}), "
             f"not {model_name or 'this one'}"
         )
@@ -55,9 +76,7 @@ def load_session(path, decoder, model_name: str = ""):
         raise ValueError(
             f"{str(path)!r} was saved with draft {state.drafter!r}, not {name!r}"
         )
-    if len(state.caches) != len(decoder.cache.caches):
-        raise ValueError(
-            f"{str(path)!r} holds {len(state.caches)} layer caches, the model has "
-            f"{len(decoder.cache.caches)}"
-        )
-    restore(decoder, state)
+    try:
+        restore(decoder, state)
+    except ValueError as e:
+        raise ValueError(f"{str(path)!r} does not fit the model: {e}") from None

@@ -14,10 +14,13 @@ drafts with the head. The drafter contributes its own arrays
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 
+from ..drafters import make_drafter
+from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
+from ..models.mtp.head import text_args
 from .state import GDNSlotCache
 
 
@@ -106,18 +109,115 @@ def capture(decoder, copy_caches: bool = False, flush: bool = True) -> DecoderSt
     )
 
 
-def restore(decoder, state: DecoderState, copy_caches: bool = False):
-    """Put ``state`` into ``decoder``, a fresh decoder of the same model and
-    drafter kind; ``ValueError`` when they do not fit. ``copy_caches``: keep
-    ``state`` usable afterwards."""
-    name = drafter_name(decoder.drafter)
+Shape = Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """What a state's cache of one target layer must look like: an attention
+    layer's keys and values ``[1, heads, positions, dim]`` (``shapes`` has
+    ``-1`` for the positions), or a recurrent layer's arrays."""
+
+    kind: type  # KVCache or ArraysCache
+    shapes: Tuple[Shape, ...]
+    dtypes: Tuple[Any, ...]
+
+    def check(self, cache, layer: int):
+        if not isinstance(cache, self.kind):
+            raise ValueError(
+                f"layer {layer} holds a {type(cache).__name__}, the model a "
+                f"{self.kind.__name__}"
+            )
+        arrays = (
+            [cache.keys, cache.values] if self.kind is KVCache else list(cache.cache)
+        )
+        if len(arrays) != len(self.shapes):
+            raise ValueError(f"layer {layer} holds {len(arrays)} arrays")
+        for a, shape, dtype in zip(arrays, self.shapes, self.dtypes):
+            if a is None and shape is None:
+                continue
+            got = None if a is None else tuple(a.shape)
+            if (
+                got is None
+                or shape is None
+                or len(got) != len(shape)
+                or any(w not in (-1, g) for g, w in zip(got, shape))
+                or a.dtype != dtype
+            ):
+                what = "nothing" if a is None else f"{got} {a.dtype}"
+                raise ValueError(
+                    f"layer {layer} holds {what}, the model needs {shape} {dtype}"
+                )
+
+
+def target_layout(model) -> List[LayerLayout]:
+    """The layout of ``model``'s layer caches, read from the caches one
+    token's forward fills (once per model)."""
+    memo = getattr(model, "__dict__", {}).get("_layer_layout")
+    if memo is not None:
+        return memo
+    caches = make_prompt_cache(model)
+    mx.eval(model(mx.array([[0]]), cache=caches))
+    layout = []
+    for c in caches:
+        if isinstance(c, KVCache):
+            heads, dim = c.keys.shape[1], c.keys.shape[3]
+            shape = (1, heads, -1, dim)
+            layout.append(LayerLayout(KVCache, (shape, shape), (c.keys.dtype,) * 2))
+        else:
+            arrays = list(c.cache)
+            layout.append(
+                LayerLayout(
+                    ArraysCache,
+                    tuple(None if a is None else tuple(a.shape) for a in arrays),
+                    tuple(None if a is None else a.dtype for a in arrays),
+                )
+            )
+    object.__setattr__(model, "_layer_layout", layout)
+    return layout
+
+
+def check_fits(model, drafter, state: DecoderState):
+    """``ValueError`` saying what of ``state`` does not fit ``model`` and
+    ``drafter`` (a drafter of the kind it was saved with); nothing is
+    changed. What a state file holds is checked here before it is decoded
+    from, so that a damaged or foreign state fails its own load, never a
+    forward that other requests share."""
+    name = drafter_name(drafter)
     if state.drafter != name:
         raise ValueError(f"state saved with draft {state.drafter!r}, not {name!r}")
-    target = decoder.cache.caches
-    if len(state.caches) != len(target):
+    layout = target_layout(model)
+    if len(state.caches) != len(layout):
         raise ValueError(
-            f"state holds {len(state.caches)} layer caches, the model has {len(target)}"
+            f"state holds {len(state.caches)} layer caches, the model has {len(layout)}"
         )
+    for i, (cache, want) in enumerate(zip(state.caches, layout)):
+        want.check(cache, i)
+    args = text_args(model)
+    vocab = getattr(args, "vocab_size", None)
+    if vocab is not None and any(not 0 <= t < vocab for t in state.history):
+        raise ValueError(f"state holds token ids outside the vocabulary ({vocab})")
+    hidden = state.last_hidden
+    if hidden is not None and tuple(hidden.shape) != (1, args.hidden_size):
+        raise ValueError(f"state holds a hidden state of shape {hidden.shape}")
+    if drafter is not None:
+        drafter.check_state(state.drafter_arrays, state.drafter_deferred)
+    elif state.drafter_arrays or state.drafter_deferred:
+        raise ValueError("state holds a drafter's arrays, but no drafter")
+
+
+def check_loadable(model, state: DecoderState):
+    """:func:`check_fits` for a drafter of the kind ``state`` names (a state
+    read from a file, before a decoder is made for it)."""
+    check_fits(model, make_drafter(state.drafter, model), state)
+
+
+def restore(decoder, state: DecoderState, copy_caches: bool = False):
+    """Put ``state`` into ``decoder``, a fresh decoder of the same model and
+    drafter kind; ``ValueError`` when they do not fit (``decoder`` then
+    unchanged). ``copy_caches``: keep ``state`` usable afterwards."""
+    check_fits(decoder.model, decoder.drafter, state)
+    target = decoder.cache.caches
     for i, c in enumerate(state.caches):
         if isinstance(target[i], GDNSlotCache):
             target[i].cache = list(c.cache)  # arrays are replaced, never written

@@ -131,6 +131,13 @@ class Drafter:
     def restore(self, history: Sequence[int], arrays: Sequence[mx.array]):
         raise NotImplementedError(f"drafter {self.name!r} cannot restore a session")
 
+    def check_state(self, arrays: Sequence[mx.array], deferred: List[DeferredPass]):
+        """``ValueError`` unless ``arrays`` (as :attr:`state` gives them) and
+        ``deferred`` (as :meth:`take_deferred`) are what this drafter could
+        have saved: a drafter keeping no arrays keeps none."""
+        if arrays or deferred:
+            raise ValueError(f"drafter {self.name!r} keeps no arrays, the state has")
+
 
 class _ForeignDrafter(Drafter):
     """A user's object with ``reset``/``draft``/``accept``, given the defaults."""

@@ -109,6 +109,9 @@ class MTPNgramDrafter(Drafter):
     def take_deferred(self) -> list:
         return self.mtp.take_deferred()
 
+    def check_state(self, arrays, deferred):
+        self.mtp.check_state(arrays, deferred)
+
     def put_deferred(self, rows: list):
         self.mtp.put_deferred(rows)
 

@@ -103,6 +103,13 @@ class CoreDrafter(Protocol):
     def restore(self, history: Sequence[int], arrays: Sequence[mx.array]) -> None:
         """Rebuild from ``state``'s arrays and the token history."""
 
+    def check_state(
+        self, arrays: Sequence[mx.array], deferred: List[DeferredPass]
+    ) -> None:
+        """``ValueError`` unless ``arrays`` and ``deferred`` (read from a
+        file) are what this drafter's ``state`` and ``take_deferred`` could
+        have given: a state is checked before it is restored."""
+
     def take_deferred(self) -> List[DeferredPass]:
         """The deferred work handed over (no longer held here)."""
 

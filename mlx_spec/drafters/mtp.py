@@ -167,6 +167,9 @@ class MTPDrafter(Drafter):
     def take_deferred(self) -> List[Tuple[mx.array, mx.array]]:
         return self.rows.take_deferred()
 
+    def check_state(self, arrays, deferred):
+        self.rows.check(arrays, deferred)
+
     def put_deferred(self, rows: List[Tuple[mx.array, mx.array]]):
         self.rows.put_deferred(rows)
 

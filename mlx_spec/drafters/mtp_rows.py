@@ -216,6 +216,42 @@ class HeadRows:
             rows += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
         return rows + [self.hm]
 
+    def check(self, arrays: Sequence[mx.array], deferred: List[Rows]):
+        """``ValueError`` unless ``arrays`` (:attr:`state`'s) and ``deferred``
+        (:meth:`take_deferred`'s) are rows this head could have saved."""
+        H, vocab = self.head.hidden_size, self.head.vocab_size
+        for tokens, hidden in deferred:
+            if (
+                tokens.ndim != 1
+                or not mx.issubdtype(tokens.dtype, mx.integer)
+                or tuple(hidden.shape) != (tokens.size, H)
+            ):
+                raise ValueError("the MTP head's deferred rows do not fit it")
+            if (
+                tokens.size
+                and not 0 <= mx.min(tokens).item() <= mx.max(tokens).item() < vocab
+            ):
+                raise ValueError("the MTP head's deferred rows hold unknown tokens")
+        if not arrays:
+            return
+        *rows, hm = arrays
+        if len(rows) != 2 * len(self.head.layers) or tuple(hm.shape) != (1, 1, H):
+            raise ValueError("the MTP head's rows do not fit it")
+        positions = set()
+        for layer, keys, values in zip(self.head.layers, rows[0::2], rows[1::2]):
+            attn = layer.self_attn
+            heads, dim = attn.num_key_value_heads, attn.head_dim
+            if (
+                keys.shape != values.shape
+                or keys.ndim != 4
+                or (keys.shape[0], keys.shape[1], keys.shape[3]) != (1, heads, dim)
+                or not mx.issubdtype(keys.dtype, mx.floating)
+            ):
+                raise ValueError("the MTP head's cache rows do not fit it")
+            positions.add(keys.shape[2])
+        if len(positions) > 1:
+            raise ValueError("the MTP head's layers hold different numbers of rows")
+
     def restore(self, arrays: Sequence[mx.array]):
         """Rebuild the rows saved by :attr:`state` (after :meth:`reset`)."""
         if not arrays:

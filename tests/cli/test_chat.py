@@ -335,13 +335,13 @@ def test_ctrl_c_returns_to_the_prompt_and_ctrl_d_exits(checkpoint_dirs):
             proc.wait()
 
 
-def test_a_session_file_of_the_previous_layout_still_loads(models, tmp_path):
-    """Files saved before the layout held pending tokens, deferred rows and
-    a checksum (two entries after the target's caches) load as they did."""
-    from mlx_spec.commands.session import FORMAT, load_session
+def test_a_session_file_of_an_earlier_version_is_refused_by_name(models, tmp_path):
+    """Files of the first layout named their model by its config and a few
+    weight rows, which a fine-tune shares with its base: they are refused
+    with a message saying why, and the decoder is left as it was."""
+    from mlx_spec.commands.session import EARLIER_FORMATS, load_session
     from mlx_spec.core.snapshot import capture
     from mlx_spec.mlx_lm_compat import ArraysCache, save_prompt_cache
-    from mlx_spec.models.fingerprint import model_fingerprint
     from mlx_spec.state_file import plain_state
 
     model, tok = models["qwen3_5"]
@@ -354,14 +354,15 @@ def test_a_session_file_of_the_previous_layout_still_loads(models, tmp_path):
     extra.cache = state.drafter_arrays or [None]
     path = tmp_path / "old.safetensors"
     meta = {
-        "format": FORMAT,
-        "model": model_fingerprint(model),
+        "format": EARLIER_FORMATS[0],
+        "model": "0123456789abcdef",
         "model_name": "",
         "drafter": state.drafter,
         "n_target": str(len(state.caches)),
     }
     save_prompt_cache(str(path), state.caches + [session, extra], meta)
     again = ChatSession(model, tok, args)
-    load_session(path, again.decoder)
-    assert again.decoder.history == chat.decoder.history
-    assert "".join(again.reply(TURNS[1])) == "".join(chat.reply(TURNS[1]))
+    with pytest.raises(ValueError, match="earlier mlx_spec") as refused:
+        load_session(path, again.decoder)
+    assert str(path) in str(refused.value)
+    assert again.decoder.history == []
