@@ -2,15 +2,23 @@
 so that a conversation continues without prefilling it again after its state
 left memory, after a restart, or in another server process.
 
-A directory of state files (:mod:`mlx_spec.state_file`), one per state,
-named by a hash of the model's identity, the drafter and the tokens it
-holds. Each file's metadata says what it is: the format version, the model
-(its fingerprint, its MTP head's and its tokenizer's), the drafter and the
-tokens (with their hash). Only the header of a file is read to know what it
-holds; a state is loaded only for a prompt that continues its tokens, and
-only if everything matches. A file of another model or format, a truncated
-or damaged one: skipped with one warning (per file and process), never
-loaded.
+A directory of its own holding state files (:mod:`mlx_spec.state_file`),
+one per state, named by a hash of the model's identity, the drafter and the
+tokens it holds (40 hex digits, ``.safetensors``). Each file's metadata says
+what it is: the format version, the model (the identity of every byte of its
+weights, its MTP head's and its tokenizer's), the drafter and the tokens
+(with their hash). Only the header of a file is read to know what it holds;
+a state is loaded only for a prompt that continues its tokens, only if
+everything matches, and only if its arrays fit the model. A file of another
+model or format, a truncated, damaged or misfitting one: skipped with one
+warning (per file and process), never loaded again.
+
+The store owns only what it wrote. A directory holding anything else (a
+model, adapters: any file not named as a state) is refused when the store
+opens; files added later, a file named like a state whose header is not a
+state's, links, pipes and devices are never opened for their contents,
+counted or removed. Files are opened without following links and without
+blocking.
 
 Writes never hold up decoding: :meth:`StateStore.put` copies the state
 (evaluated arrays, no further computation) and hands it to a writer thread,
@@ -27,14 +35,16 @@ import hashlib
 import logging
 import os
 import queue
+import re
+import stat
 import threading
 import time
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .core.snapshot import DecoderState
+from .core.snapshot import DecoderState, check_loadable
 from .models.fingerprint import tokenizer_fingerprint
 from .models.identity import head_fingerprint, model_fingerprint
 from .state_file import (
@@ -47,8 +57,11 @@ from .state_file import (
 
 log = logging.getLogger("mlx_spec.states")
 
-FORMAT = "mlx_spec.state.v1"
-SUFFIX = ".safetensors"
+FORMAT = "mlx_spec.state.v2"
+OWN_FORMATS = "mlx_spec.state."  # every version's files are the store's own
+STATE_NAME = re.compile(r"[0-9a-f]{40}\.safetensors")
+# temp_file_beside's names for them: ".NAME." + mkstemp's letters + suffix
+TEMP_NAME = re.compile(r"\.[0-9a-f]{40}\.safetensors\.[a-z0-9_]+\.safetensors")
 DEFAULT_DIR = "~/.cache/mlx_spec/states"  # documented; never used unasked
 STALE_TEMP_S = 3600  # a temporary file this old is a crashed writer's
 
@@ -87,7 +100,7 @@ class Identity:
             return f"format {meta.get('format')!r}, not {FORMAT!r}"
         if meta.get("model") != self.model:
             name = meta.get("model_name") or meta.get("model")
-            return f"saved for another model ({name})"
+            return f"saved for another model or other weights ({name})"
         if meta.get("head") != self.head:
             return "saved with another MTP head"
         if meta.get("tokenizer") != self.tokenizer:
@@ -104,20 +117,47 @@ def file_name(identity: Identity, drafter: str, tokens: Sequence[int]) -> str:
     key = f"{FORMAT}|{identity.model}|{identity.head}|{identity.tokenizer}|{drafter}|"
     digest = hashlib.sha256(key.encode())
     digest.update(array("I", tokens).tobytes())
-    return digest.hexdigest()[:40] + SUFFIX
+    return digest.hexdigest()[:40] + ".safetensors"
+
+
+def _foreign(directory: Path) -> List[str]:
+    """The names in ``directory`` that are not the store's: anything but a
+    regular file named as a state or a state being written (hidden names,
+    such as a desktop's ``.DS_Store``, are left out)."""
+    names = []
+    for item in _scan(directory):
+        ours = STATE_NAME.fullmatch(item.name) or TEMP_NAME.fullmatch(item.name)
+        if ours and _regular(item) or item.name.startswith(".") and not ours:
+            continue
+        names.append(item.name)
+    return sorted(names)
 
 
 def check_state_dir(directory):
     """Raise ``ValueError`` naming ``directory`` if states cannot be kept
-    there (created if missing; checked by writing a file in it)."""
+    there: an empty path, a directory holding anything but states (a model,
+    adapters, ...), one that cannot be created or written."""
+    if not str(directory).strip():
+        raise ValueError(
+            "the state directory is an empty path (an unset variable?); "
+            f"give a directory of its own, e.g. {DEFAULT_DIR}"
+        )
     path = Path(directory).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        temp_file_beside(path / "check").unlink()
+        foreign = _foreign(path)
+        if not foreign:
+            temp_file_beside(path / "check").unlink()
     except OSError as e:
         raise ValueError(
             f"cannot keep states in {str(directory)!r}: {e.strerror or e}"
         ) from None
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ValueError(
+            f"cannot keep states in {str(directory)!r}: it holds files that are "
+            f"not states ({shown}); give a directory of its own, e.g. {DEFAULT_DIR}"
+        )
 
 
 @dataclass(frozen=True)
@@ -130,15 +170,33 @@ class _Entry:
     pending: int
 
 
-class StateStore:
-    """The state files of one directory, for one model (``identity``)."""
+@dataclass
+class _File:
+    """A file named as a state: whether its header says it is one (only then
+    is it counted and ever removed), and the entry it is for this identity
+    (None: another identity's, or skipped)."""
 
-    def __init__(self, directory, max_bytes: int, identity: Identity):
+    owned: bool
+    entry: Optional[_Entry]
+
+
+class StateStore:
+    """The state files of one directory, for one model (``identity``);
+    ``check`` raises ``ValueError`` for a state that does not fit the model
+    (see :func:`for_model`)."""
+
+    def __init__(
+        self,
+        directory,
+        max_bytes: int,
+        identity: Identity,
+        check: Callable[[DecoderState], None],
+    ):
+        check_state_dir(directory)
         self.directory = Path(directory).expanduser()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.max_bytes, self.identity = max_bytes, identity
+        self.max_bytes, self.identity, self.check = max_bytes, identity, check
         self._lock = threading.Lock()  # the index, the warnings, the queued
-        self._index: Dict[Tuple, Optional[_Entry]] = {}  # None: a skipped file
+        self._index: Dict[Tuple, _File] = {}  # (name, inode, size) -> what it is
         self._warned = set()
         self._queued: Dict[str, DecoderState] = {}  # name -> state not yet written
         self._idle = threading.Condition(self._lock)
@@ -149,6 +207,14 @@ class StateStore:
         )
         self._writer.start()
 
+    @classmethod
+    def for_model(
+        cls, directory, max_bytes: int, model, tokenizer, model_name: str = ""
+    ) -> "StateStore":
+        """The store of ``model``'s states in ``directory``."""
+        identity = Identity.of(model, tokenizer, model_name)
+        return cls(directory, max_bytes, identity, lambda s: check_loadable(model, s))
+
     # -- writing ---------------------------------------------------------------
     def put(self, state: DecoderState):
         """Write ``state`` (which must not change afterwards) to disk, in the
@@ -158,7 +224,11 @@ class StateStore:
         with self._lock:
             if name in self._queued:
                 return
-        if path.exists() and not self._skipped(path):
+        st = _lstat(path)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            self._warn_once(("foreign", name), f"{path} is not a state: left alone")
+            return
+        if st is not None and not self._skipped(path, st):
             _touch(path)  # the same state: only its use is news
             return
         if state.nbytes > self.max_bytes:
@@ -217,18 +287,19 @@ class StateStore:
         self.trim()
 
     def trim(self):
-        """Remove the least recently used files until the directory holds at
-        most ``max_bytes`` of them, and temporary files left by a crash."""
+        """Remove the least recently used of the store's own files until they
+        take at most ``max_bytes``, and its temporary files left by a crash.
+        Nothing else in the directory is ever removed."""
         files, now = [], time.time()
-        for entry in _scan(self.directory):
-            st = _stat(entry)
-            if st is None:
+        for item in _scan(self.directory):
+            st = _stat(item)
+            if st is None or not stat.S_ISREG(st.st_mode):
                 continue
-            if entry.name.startswith("."):
+            if TEMP_NAME.fullmatch(item.name):
                 if now - st.st_mtime > STALE_TEMP_S:
-                    _remove(Path(entry.path))
-            elif entry.name.endswith(SUFFIX):
-                files.append((st.st_mtime_ns, st.st_size, Path(entry.path)))
+                    _remove(Path(item.path))
+            elif STATE_NAME.fullmatch(item.name) and self._file(item, st).owned:
+                files.append((st.st_mtime_ns, st.st_size, Path(item.path)))
         total = sum(size for _, size, _ in files)
         for _, size, path in sorted(files):
             if total <= self.max_bytes:
@@ -290,6 +361,11 @@ class StateStore:
             or state.drafter != entry.drafter
         ):
             why = "its tokens do not match its header"
+        if why is None:
+            try:
+                self.check(state)
+            except ValueError as e:
+                why = f"it does not fit the model: {e}"
         if why is not None:
             self._skip(entry.path, why)
             return None
@@ -297,25 +373,28 @@ class StateStore:
         self.counts["loaded"] += 1
         return state
 
+    def _file(self, item: os.DirEntry, st: os.stat_result) -> _File:
+        """What the file ``item`` is (its header read once per file)."""
+        key = (item.name, st.st_ino, st.st_size)
+        with self._lock:
+            known = self._index.get(key)
+        if known is None:
+            known = self._describe(Path(item.path))
+            with self._lock:
+                self._index[key] = known
+        return known
+
     def _entries(self) -> List[_Entry]:
-        """The files of this identity now in the directory (headers read
-        once per file)."""
+        """The files of this identity now in the directory."""
         entries, seen = [], set()
         for item in _scan(self.directory):
-            if item.name.startswith(".") or not item.name.endswith(SUFFIX):
+            if not STATE_NAME.fullmatch(item.name):
                 continue
             st = _stat(item)
-            if st is None:
+            if st is None or not stat.S_ISREG(st.st_mode):
                 continue
-            key = (item.name, st.st_ino, st.st_size)
-            seen.add(key)
-            with self._lock:
-                known = key in self._index
-                entry = self._index.get(key)
-            if not known:
-                entry = self._describe(Path(item.path))
-                with self._lock:
-                    self._index[key] = entry
+            seen.add((item.name, st.st_ino, st.st_size))
+            entry = self._file(item, st).entry
             if entry is not None:
                 entries.append(entry)
         with self._lock:  # forget files that are gone
@@ -323,43 +402,50 @@ class StateStore:
                 del self._index[key]
         return entries
 
-    def _describe(self, path: Path) -> Optional[_Entry]:
+    def _describe(self, path: Path) -> _File:
         try:
             meta = read_metadata(path)
-            why = self.identity.mismatch(meta)
-            if why is None:
-                tokens = tuple(int(t) for t in meta["tokens"].split(",") if t)
-                if tokens_hash(tokens) != meta.get("tokens_sha256"):
-                    why = "its tokens do not match their hash"
-                else:
-                    return _Entry(path, meta["drafter"], tokens, int(meta["pending"]))
         except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError) as e:
-            why = " ".join(str(e).split()) or type(e).__name__
-        self._skip(path, why)
-        return None
+            return _File(False, None)
+        except (OSError, ValueError) as e:
+            self._warn_once(("skip", path.name), f"{path} skipped: {_text(e)}")
+            return _File(False, None)
+        if not str(meta.get("format", "")).startswith(OWN_FORMATS):
+            why = "it is not a state file (left alone)"
+            self._warn_once(("skip", path.name), f"{path} skipped: {why}")
+            return _File(False, None)
+        why = self.identity.mismatch(meta)
+        if why is None:
+            tokens = tuple(
+                int(t) for t in str(meta.get("tokens")).split(",") if t.isdecimal()
+            )
+            if tokens_hash(tokens) != meta.get("tokens_sha256"):
+                why = "its tokens do not match their hash"
+            elif meta.get("pending") not in ("0", "1") or "drafter" not in meta:
+                why = "its header is damaged"
+            else:
+                entry = _Entry(path, meta["drafter"], tokens, int(meta["pending"]))
+                return _File(True, entry)
+        self._warn_once(("skip", path.name), f"state file {path} skipped: {why}")
+        return _File(True, None)
 
     # -- reporting -------------------------------------------------------------
     def _skip(self, path: Path, why: str):
         """Never load ``path`` again in this process; say so once."""
-        try:
-            st = path.stat()
+        st = _lstat(path)
+        if st is not None:
             with self._lock:
-                self._index[(path.name, st.st_ino, st.st_size)] = None
-        except OSError:
-            pass
+                known = self._index.get((path.name, st.st_ino, st.st_size))
+                if known is not None:
+                    known.entry = None
         self._warn_once(("skip", path.name), f"state file {path} skipped: {why}")
 
-    def _skipped(self, path: Path) -> bool:
-        """Whether ``path`` is a file this process skipped (so may replace)."""
-        try:
-            st = path.stat()
-        except OSError:
-            return False
-        key = (path.name, st.st_ino, st.st_size)
+    def _skipped(self, path: Path, st: os.stat_result) -> bool:
+        """Whether ``path`` is a file this process skipped: it may be replaced
+        by the state whose name it has (a hash no other file has by chance)."""
         with self._lock:
-            return key in self._index and self._index[key] is None
+            known = self._index.get((path.name, st.st_ino, st.st_size))
+        return known is not None and known.entry is None
 
     def _warn_once(self, key, message: str):
         with self._lock:
@@ -369,15 +455,15 @@ class StateStore:
         log.warning(message)
 
     def status(self) -> dict:
-        """For ``/health``: the directory, its files and bytes, what waits
-        to be written, and what was written, loaded and removed so far."""
-        sizes = [
-            st.st_size
-            for item in _scan(self.directory)
-            if not item.name.startswith(".") and item.name.endswith(SUFFIX)
-            for st in [_stat(item)]
-            if st is not None
-        ]
+        """For ``/health``: the directory, its state files and their bytes,
+        what waits to be written, and what was written, loaded and removed
+        so far."""
+        sizes = []
+        for item in _scan(self.directory):
+            st = _stat(item) if STATE_NAME.fullmatch(item.name) else None
+            if st is not None and stat.S_ISREG(st.st_mode):
+                if self._file(item, st).owned:
+                    sizes.append(st.st_size)
         with self._lock:
             queued = len(self._queued)
         return {
@@ -390,6 +476,10 @@ class StateStore:
         }
 
 
+def _text(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def _scan(directory: Path) -> List[os.DirEntry]:
     try:
         with os.scandir(directory) as it:
@@ -399,10 +489,23 @@ def _scan(directory: Path) -> List[os.DirEntry]:
 
 
 def _stat(entry: os.DirEntry):
+    """``entry``'s own status (a link's, not its target's); None once gone."""
     try:
-        return entry.stat()
+        return entry.stat(follow_symlinks=False)
     except OSError:  # removed since listing
         return None
+
+
+def _lstat(path: Path):
+    try:
+        return path.lstat()
+    except OSError:
+        return None
+
+
+def _regular(entry: os.DirEntry) -> bool:
+    st = _stat(entry)
+    return st is not None and stat.S_ISREG(st.st_mode)
 
 
 def _remove(path: Path) -> bool:

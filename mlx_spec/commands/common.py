@@ -20,7 +20,7 @@ from ..drafters import DRAFTS
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..mlx_lm_compat import PENALTIES, make_logits_processors
 from ..models.pipeline import shared_seed
-from ..state_store import DEFAULT_DIR, Identity, StateStore, check_state_dir
+from ..state_store import DEFAULT_DIR, StateStore, check_state_dir
 
 BAD_INPUT = 2  # exit status, as argparse uses for bad flags
 
@@ -370,6 +370,7 @@ def open_state_store(args, model, tokenizer, name: str):
     """The disk tier ``--state-dir`` asks for (None: off)."""
     if args.state_dir is None:
         return None
-    identity = Identity.of(model, tokenizer, name)
-    with bad_input(OSError):
-        return StateStore(args.state_dir, args.state_dir_bytes, identity)
+    with bad_input(OSError, ValueError):
+        return StateStore.for_model(
+            args.state_dir, args.state_dir_bytes, model, tokenizer, name
+        )

@@ -40,7 +40,7 @@ def no_eos(models):
 
 def make_engine(models, family, draft, directory, max_bytes=BIG, **kwargs):
     model, tok = models[family]
-    store = StateStore(directory, max_bytes, Identity.of(model, tok, family))
+    store = StateStore.for_model(directory, max_bytes, model, tok, family)
     return Engine(model, tok, draft, num_draft_tokens=3, state_store=store, **kwargs)
 
 
@@ -150,9 +150,11 @@ def test_a_file_of_another_model_is_never_loaded(one_file, models, caplog):
     assert engine.store.lookup("ngram", prompt) is None
     assert engine.store.lookup("ngram", prompt) is None
     (warning,) = warnings_about(caplog, path)
-    assert "another model (qwen3_5)" in warning.getMessage()
+    assert "another model or other weights (qwen3_5)" in warning.getMessage()
     # while the other model's own store loads it
-    assert StateStore(path.parent, BIG, other).lookup("ngram", prompt) is not None
+    theirs = StateStore.for_model(path.parent, BIG, *models["qwen3_5"], "qwen3_5")
+    assert theirs.identity == other
+    assert theirs.lookup("ngram", prompt) is not None
 
 
 def test_two_stores_share_a_directory(one_file, models, tmp_path, caplog):
@@ -160,7 +162,7 @@ def test_two_stores_share_a_directory(one_file, models, tmp_path, caplog):
     removes between listing and reading is a miss, without a warning; a
     half-written (hidden) temporary file is never read."""
     engine, prompt, path, state = one_file
-    other = StateStore(path.parent, BIG, engine.store.identity)
+    other = StateStore(path.parent, BIG, engine.store.identity, engine.store.check)
     caplog.set_level(logging.WARNING, "mlx_spec.states")
     found = other.lookup("ngram", prompt)
     assert found is not None and found.history == prompt[:-2]
@@ -181,7 +183,7 @@ def test_two_stores_share_a_directory(one_file, models, tmp_path, caplog):
 def test_the_byte_budget_removes_the_least_recently_used(models, tmp_path, no_eos):
     model, tok = models["qwen3_next"]
     engine = Engine(model, tok, "ngram", num_draft_tokens=3)
-    store = StateStore(tmp_path, BIG, Identity.of(model, tok))
+    store = StateStore.for_model(tmp_path, BIG, model, tok)
     try:
         a, b, c, d = (
             kept_state(engine, prompts("random", seed=s), 4) for s in range(4)
@@ -231,7 +233,7 @@ def test_memory_stays_flat_over_many_writes_and_loads(models, tmp_path, no_eos):
     # A store of its own: the engine's writer may still be writing its
     # states, whose files the cycles below would remove under it.
     cycles = tmp_path / "cycles"
-    store = StateStore(cycles, BIG, Identity.of(model, tok, "qwen3_next"))
+    store = StateStore.for_model(cycles, BIG, model, tok, "qwen3_next")
     try:
         state = kept_state(engine, prompts("mixed"), 8)
         prompt = state.history + [3]
@@ -264,7 +266,7 @@ def test_a_state_round_trips_whole(models, family, tmp_path, no_eos):
     rows (which decide what it drafts next, not what is emitted)."""
     model, tok = models[family]
     engine = Engine(model, tok, "mtp+ngram", num_draft_tokens=3)
-    store = StateStore(tmp_path, BIG, Identity.of(model, tok))
+    store = StateStore.for_model(tmp_path, BIG, model, tok)
     try:
         state = kept_state(engine, prompts("mixed"), 10)
         assert state.pending == 1 and state.drafter_deferred
