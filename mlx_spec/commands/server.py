@@ -21,7 +21,7 @@ import sys
 from ..drafters import default_draft
 from ..server.engine import Engine, PipelineEngine
 from ..server.http import bind, make_app, serve
-from ..server.requests import ServerContext
+from ..server.requests import MAX_TEMPERATURE, MIN_TEMPERATURE, ServerContext
 from .model_files import load_model, model_name
 from .common import (
     CommandError,
@@ -153,7 +153,12 @@ def check_flags(args):
     """A :class:`CommandError` naming the first flag out of its range (before
     anything loads, so no client is ever blamed for a server default)."""
     _check_range("--port", args.port, 0, 65535)
-    _check_range("--temp", args.temp, 0, finite=True)
+    _check_range("--temp", args.temp, 0, MAX_TEMPERATURE, finite=True)
+    if 0 < args.temp < MIN_TEMPERATURE:
+        raise CommandError(
+            f"--temp must be 0 or in {MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}, "
+            f"got {args.temp}"
+        )
     _check_range("--top-p", args.top_p, 0, 1, finite=True)
     _check_range("--top-k", args.top_k, 0)
     _check_range("--min-p", args.min_p, 0, 1, finite=True)

@@ -83,6 +83,10 @@ def parse_json_object(raw: bytes) -> dict:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(f"the body is not valid JSON: {e}") from None
+    except ValueError:  # Python reads integers of at most 4300 digits
+        raise RequestError(
+            "the body is not valid JSON: a number has too many digits to read"
+        ) from None
     except RecursionError:
         raise RequestError("the body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
