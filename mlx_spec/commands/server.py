@@ -21,7 +21,8 @@ import sys
 from ..drafters import default_draft
 from ..server.engine import Engine, PipelineEngine
 from ..server.http import bind, make_app, serve
-from ..server.requests import MAX_TEMPERATURE, MIN_TEMPERATURE, ServerContext
+from ..server.requests import MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MIN_TEMPERATURE
+from ..server.requests import ServerContext
 from .model_files import load_model, model_name
 from .common import (
     CommandError,
@@ -79,7 +80,21 @@ def setup_parser():
     p.add_argument("--top-p", type=float, default=1.0, help="Default top-p.")
     p.add_argument("--top-k", type=int, default=0, help="Default top-k.")
     p.add_argument("--min-p", type=float, default=0.0, help="Default min-p.")
-    p.add_argument("--max-tokens", type=int, default=512, help="Default max tokens.")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        help="Default max tokens, for requests that do not say (default: 512).",
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=MAX_TOKENS_LIMIT,
+        metavar="N",
+        help="The most tokens any reply may have: a request asking for more is "
+        "capped (finish_reason 'length'), as it is at what the prompt leaves of "
+        f"the model's context (default: {MAX_TOKENS_LIMIT}).",
+    )
     p.add_argument(
         "--chat-template-args",
         type=json.loads,
@@ -162,7 +177,8 @@ def check_flags(args):
     _check_range("--top-p", args.top_p, 0, 1, finite=True)
     _check_range("--top-k", args.top_k, 0)
     _check_range("--min-p", args.min_p, 0, 1, finite=True)
-    _check_range("--max-tokens", args.max_tokens, 1)
+    _check_range("--max-tokens-limit", args.max_tokens_limit, 1)
+    _check_range("--max-tokens", args.max_tokens, 1, args.max_tokens_limit)
     _check_range("--prompt-cache-size", args.prompt_cache_size, 0)
     _check_range("--prompt-cache-bytes", args.prompt_cache_bytes, 0)
     check_state_dir_flags(args)
@@ -207,6 +223,7 @@ def main(argv=None):
     store = open_state_store(args, model, tokenizer, model_name(args.model, path))
     if store is not None:
         extra["state_store"] = store
+    context_length = config_int(model, "max_position_embeddings")
     with bad_input():
         engine = engine_class(
             model,
@@ -220,6 +237,7 @@ def main(argv=None):
             prefill_step_size=args.prefill_step_size,
             batch_size=args.decode_concurrency,
             prefill_chunk=args.prefill_chunk,
+            context_length=context_length,
             **extra,
         )
     if group is not None and group.rank() != 0:
@@ -235,7 +253,8 @@ def main(argv=None):
             "min_p": args.min_p,
             "max_tokens": args.max_tokens,
         },
-        context_length=config_int(model, "max_position_embeddings"),
+        context_length=context_length,
+        max_tokens_limit=args.max_tokens_limit,
         vocab_size=vocab_size,
         chat_template_args=args.chat_template_args,
     )

@@ -58,10 +58,13 @@ log = logging.getLogger("mlx_spec.server")
 
 
 class _Output:
-    """One admitted job's side: detokenizing, routing text, its finish."""
+    """One admitted job's side: detokenizing, routing text, its finish.
+    ``budget``: the most tokens it may emit (its ``max_tokens``, within the
+    model's context)."""
 
-    def __init__(self, job: Job, tokenizer, draft: str):
+    def __init__(self, job: Job, tokenizer, draft: str, budget: int):
         self.job, self.draft, self.tokenizer = job, draft, tokenizer
+        self.budget = budget
         self.detokenizer = tokenizer.detokenizer
         self.router = TextRouter(tokenizer, job.params, job.initial_state)
         self.n, self.reason, self.tic = 0, None, time.perf_counter()
@@ -79,7 +82,7 @@ class _Output:
             eos = token in self.tokenizer.eos_token_ids
             if not eos:
                 self.detokenizer.add_token(token)
-            length = self.n >= p.max_tokens
+            length = self.n >= self.budget
             if eos or length:
                 self.detokenizer.finalize()
             events += self.router.feed(self.detokenizer.last_segment, eos, length)
@@ -135,12 +138,15 @@ class Engine:
         prefill_chunk: int = 256,
         start: bool = True,
         state_store: Optional[StateStore] = None,
+        context_length: Optional[int] = None,
     ):
+        """``context_length``: the model's context (its
+        ``max_position_embeddings``); no reply runs past it (None: unknown)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.context_length = prefill_chunk, context_length
         self.model, self.tokenizer = model, tokenizer
         self.draft, self.num_draft_tokens = draft, num_draft_tokens
         self.max_ngram, self.prefill_step_size = max_ngram, prefill_step_size
@@ -281,6 +287,7 @@ class Engine:
             if draft == "none":
                 num_draft_tokens = 0
             check_options(p.max_tokens, draft, num_draft_tokens)
+            self._budget(job)  # a prompt that fills the context fails here
             state = self._kept(draft, job.prompt)
             covered = 0 if state is None else len(state.history)
             if self.prefills.wait_to_share(job, draft, covered):
@@ -308,6 +315,20 @@ class Engine:
         except Exception as e:  # reported to its client; the others go on
             log.exception("request failed")
             job.put(e)
+
+    def _budget(self, job: Job) -> int:
+        """The most tokens ``job`` may emit: its ``max_tokens``, and no more
+        than its prompt leaves of the model's context (so neither the
+        target's passes nor the drafts verified with them run past it)."""
+        if self.context_length is None:
+            return job.params.max_tokens
+        room = self.context_length - len(job.prompt)
+        if room < 1:
+            raise ValueError(
+                f"the prompt has {len(job.prompt)} tokens; the model's context "
+                f"holds {self.context_length}, leaving no room for a reply"
+            )
+        return min(job.params.max_tokens, room)
 
     def _prefill(self, batch: BatchDecoder):
         """Feed the joining prompts: ``prefill_chunk`` tokens in all while
@@ -337,10 +358,11 @@ class Engine:
             xtc_threshold=p.xtc_threshold,
             xtc_special_tokens=xtc_special_tokens(self.tokenizer),
         )
-        output = _Output(j.job, self.tokenizer, j.draft)
+        budget = self._budget(j.job)
+        output = _Output(j.job, self.tokenizer, j.draft, budget)
         id = batch.add(
             j.decoder,
-            p.max_tokens,
+            budget,
             sampler,
             j.num_draft_tokens,
             stop_tokens=self.tokenizer.eos_token_ids,

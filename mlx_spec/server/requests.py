@@ -18,6 +18,7 @@ from .events import GenerationParams
 from .state_cache import common_prefix
 
 MAX_TOP_LOGPROBS = 20
+MAX_TOKENS_LIMIT = 32768  # the default ceiling on a reply's tokens
 
 
 class RequestError(Exception):
@@ -36,6 +37,7 @@ class ServerContext:
     model_id: str
     defaults: Dict[str, Any]  # temperature, top_p, top_k, min_p, max_tokens
     context_length: Optional[int] = None
+    max_tokens_limit: int = MAX_TOKENS_LIMIT  # no reply is longer
     vocab_size: Optional[int] = None  # the model's logits (token ids below it)
     chat_template_args: Optional[Dict[str, Any]] = None
 
@@ -115,11 +117,13 @@ def generation_params(body, ctx: ServerContext, max_tokens_field="max_tokens"):
 
 def max_tokens(body, ctx: ServerContext, name: str = "max_tokens") -> int:
     """The reply's budget: ``max_completion_tokens`` or ``name`` (an integer
-    >= 1)."""
+    >= 1), capped at the server's ``max_tokens_limit``, never refused for
+    being large (clients send their model's largest). The engine caps it
+    again at what the prompt leaves of the model's context."""
     value = field(body, "max_completion_tokens", "int", None, low=1)
     if value is None:
         value = field(body, name, "int", ctx.defaults["max_tokens"], low=1)
-    return value
+    return min(value, ctx.max_tokens_limit)
 
 
 MIN_TEMPERATURE = 1e-8  # below it, 1 / temperature leaves float32's range
