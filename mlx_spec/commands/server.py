@@ -21,6 +21,8 @@ import sys
 from ..drafters import default_draft
 from ..server.engine import Engine, PipelineEngine
 from ..server.http import bind, make_app, serve
+from ..server.limits import BODY_SECONDS, HEADER_SECONDS, WRITE_SECONDS
+from ..server.limits import ClientLimits
 from ..server.requests import MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MIN_TEMPERATURE
 from ..server.requests import ServerContext
 from .model_files import load_model, model_name
@@ -133,6 +135,31 @@ def setup_parser():
         help="Prompt tokens prefilled between two decoding passes while other "
         "requests decode (default: 256).",
     )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_SECONDS,
+        metavar="SECONDS",
+        help="A request's headers must arrive within this time of the connection "
+        "opening (or of the previous response); else the connection is closed "
+        f"(default: {HEADER_SECONDS:g}).",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_SECONDS,
+        metavar="SECONDS",
+        help="A request's body must arrive within this time of its headers; else "
+        f"a 408 error (default: {BODY_SECONDS:g}).",
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=float,
+        default=WRITE_SECONDS,
+        metavar="SECONDS",
+        help="A connection whose client reads nothing of what it is sent for this "
+        f"long is closed, ending its request (default: {WRITE_SECONDS:g}).",
+    )
     add_pipeline_flag(p, "serves HTTP")
     p.add_argument(
         "--log-level",
@@ -179,6 +206,12 @@ def check_flags(args):
     _check_range("--min-p", args.min_p, 0, 1, finite=True)
     _check_range("--max-tokens-limit", args.max_tokens_limit, 1)
     _check_range("--max-tokens", args.max_tokens, 1, args.max_tokens_limit)
+    for flag in ("--header-timeout", "--body-timeout", "--write-timeout"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not (math.isfinite(value) and value > 0):
+            raise CommandError(
+                f"{flag} must be a positive number of seconds, got {value}"
+            )
     _check_range("--prompt-cache-size", args.prompt_cache_size, 0)
     _check_range("--prompt-cache-bytes", args.prompt_cache_bytes, 0)
     check_state_dir_flags(args)
@@ -267,6 +300,11 @@ def main(argv=None):
         allow_origins=args.allow_origin,
         api_key=args.api_key,
         hidden=(str(path), str(path.resolve())),
+        limits=ClientLimits(
+            header_seconds=args.header_timeout,
+            body_seconds=args.body_timeout,
+            write_seconds=args.write_timeout,
+        ),
     )
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host

@@ -21,7 +21,8 @@ all of them when the engine closes, are written in the background; a prompt
 that continues a longer state on disk than in memory loads it.
 
 A job's events: ``Started`` once (prompt and cached token counts), then
-``Token``, ``Segment`` (content or reasoning) and ``ToolCall`` events, then
+``Token``, ``Segment`` (content or reasoning) and ``ToolCall`` events, each
+pass's with a ``Progress`` (the row's speculation counters so far), then
 ``Finished``; or one exception (a request whose own sampler or logits
 processors raise gets theirs and leaves the batch; the others go on, see
 :mod:`~mlx_spec.core.row_guard`). ``Job.cancel()`` (a client that went away)
@@ -50,7 +51,8 @@ from ..generate import check_options
 from ..mlx_lm_compat import make_logits_processors
 from ..models.pipeline import broadcast_bytes
 from ..state_store import StateStore
-from .events import Finished, GenerationParams, Job, Started, TextRouter, Token
+from .events import Finished, GenerationParams, Job, Progress, Started, TextRouter
+from .events import Token
 from .prefill import Joining, PrefillQueue
 from .state_cache import StateCache
 
@@ -62,16 +64,16 @@ class _Output:
     ``budget``: the most tokens it may emit (its ``max_tokens``, within the
     model's context)."""
 
-    def __init__(self, job: Job, tokenizer, draft: str, budget: int):
+    def __init__(self, job: Job, tokenizer, draft: str, budget: int, stats: SpecStats):
         self.job, self.draft, self.tokenizer = job, draft, tokenizer
-        self.budget = budget
+        self.budget, self.stats = budget, stats
         self.detokenizer = tokenizer.detokenizer
         self.router = TextRouter(tokenizer, job.params, job.initial_state)
         self.n, self.reason, self.tic = 0, None, time.perf_counter()
 
     def emit(self, tokens: List[int], logprobs: mx.array):
-        """Send the events of a pass's tokens, as one item; sets ``reason``
-        once done."""
+        """Send the events of a pass's tokens, as one item, with the row's
+        counters after the pass; sets ``reason`` once done."""
         p, events = self.job.params, []
         chosen = [None] * len(tokens)
         if p.logprobs:  # a sync: it would also wait for a pass queued ahead
@@ -94,21 +96,30 @@ class _Output:
                 break
         if self.job.cancelled and not self.reason:
             self.reason = "cancelled"
-        self.job.put(*events)
+        self.job.put(*events, Progress(self.speculation()))
 
-    def finish(self, stats: SpecStats):
+    def speculation(self) -> dict:
+        return speculation_counters(
+            self.draft, self.stats, time.perf_counter() - self.tic
+        )
+
+    def finish(self):
         reason = self.reason or "cancelled"
         if reason == "stop" and self.router.made_tool_call:
             reason = "tool_calls"
-        speculation = {
-            "draft": self.draft,
-            "drafted": stats.drafted,
-            "accepted": stats.accepted,
-            "verify_passes": stats.verify_passes,
-            "seconds": round(time.perf_counter() - self.tic, 6),
-        }
         stop_word = self.router.stop_word if reason == "stop" else None
-        self.job.put(Finished(reason, self.n, speculation, stop_word))
+        self.job.put(Finished(reason, self.n, self.speculation(), stop_word))
+
+
+def speculation_counters(draft: str, stats: SpecStats, seconds: float) -> dict:
+    """A reply's speculation counters, as responses carry them."""
+    return {
+        "draft": draft,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "verify_passes": stats.verify_passes,
+        "seconds": round(seconds, 6),
+    }
 
 
 def _top(logprobs: mx.array, n: int) -> List[tuple]:
@@ -309,7 +320,8 @@ class Engine:
                 restore(decoder, state, copy_caches=True)
                 new = job.prompt[len(state.history) :]
                 cached = len(state.history) - state.pending
-            job.put(Started(len(job.prompt), cached))
+            counters = speculation_counters(draft, decoder.stats, 0.0)
+            job.put(Started(len(job.prompt), cached), Progress(counters))
             j = Joining(job, draft, num_draft_tokens, decoder, new, len(new) > 1)
             self.prefills.join(j, p.shared_prefix)
         except Exception as e:  # reported to its client; the others go on
@@ -359,7 +371,7 @@ class Engine:
             xtc_special_tokens=xtc_special_tokens(self.tokenizer),
         )
         budget = self._budget(j.job)
-        output = _Output(j.job, self.tokenizer, j.draft, budget)
+        output = _Output(j.job, self.tokenizer, j.draft, budget, j.decoder.stats)
         id = batch.add(
             j.decoder,
             budget,
@@ -397,7 +409,7 @@ class Engine:
             decoder = batch.take(id)
             del self._live[id]
             self.states.insert(capture(decoder, flush=False))
-            output.finish(decoder.stats)
+            output.finish()
 
 
 class _Discard:
