@@ -66,8 +66,8 @@ class ClientLimits:
 
 class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a time limit on a request's headers and
-    on a blocked write (``limits``: a subclass made by :func:`h11_protocol`
-    sets them)."""
+    on a blocked write, and a fixed send buffer (``limits``: a subclass made
+    by :func:`h11_protocol` sets them)."""
 
     limits = ClientLimits()
 
