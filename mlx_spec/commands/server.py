@@ -21,6 +21,9 @@ import sys
 from ..drafters import default_draft
 from ..server.engine import Engine, PipelineEngine
 from ..server.http import bind, make_app, serve
+from ..server.limits import BODY_SECONDS, HEADER_SECONDS, WRITE_SECONDS
+from ..server.limits import ClientLimits
+from ..server.requests import MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MIN_TEMPERATURE
 from ..server.requests import ServerContext
 from .model_files import load_model, model_name
 from .common import (
@@ -79,7 +82,21 @@ def setup_parser():
     p.add_argument("--top-p", type=float, default=1.0, help="Default top-p.")
     p.add_argument("--top-k", type=int, default=0, help="Default top-k.")
     p.add_argument("--min-p", type=float, default=0.0, help="Default min-p.")
-    p.add_argument("--max-tokens", type=int, default=512, help="Default max tokens.")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        help="Default max tokens, for requests that do not say (default: 512).",
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=MAX_TOKENS_LIMIT,
+        metavar="N",
+        help="The most tokens any reply may have: a request asking for more is "
+        "capped (finish_reason 'length'), as it is at what the prompt leaves of "
+        f"the model's context (default: {MAX_TOKENS_LIMIT}).",
+    )
     p.add_argument(
         "--chat-template-args",
         type=json.loads,
@@ -118,6 +135,31 @@ def setup_parser():
         help="Prompt tokens prefilled between two decoding passes while other "
         "requests decode (default: 256).",
     )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_SECONDS,
+        metavar="SECONDS",
+        help="A request's headers must arrive within this time of the connection "
+        "opening (or of the previous response); else the connection is closed "
+        f"(default: {HEADER_SECONDS:g}).",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_SECONDS,
+        metavar="SECONDS",
+        help="A request's body must arrive within this time of its headers; else "
+        f"a 408 error (default: {BODY_SECONDS:g}).",
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=float,
+        default=WRITE_SECONDS,
+        metavar="SECONDS",
+        help="A connection whose client reads nothing of what it is sent for this "
+        f"long is closed, ending its request (default: {WRITE_SECONDS:g}).",
+    )
     add_pipeline_flag(p, "serves HTTP")
     p.add_argument(
         "--log-level",
@@ -153,11 +195,23 @@ def check_flags(args):
     """A :class:`CommandError` naming the first flag out of its range (before
     anything loads, so no client is ever blamed for a server default)."""
     _check_range("--port", args.port, 0, 65535)
-    _check_range("--temp", args.temp, 0, finite=True)
+    _check_range("--temp", args.temp, 0, MAX_TEMPERATURE, finite=True)
+    if 0 < args.temp < MIN_TEMPERATURE:
+        raise CommandError(
+            f"--temp must be 0 or in {MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}, "
+            f"got {args.temp}"
+        )
     _check_range("--top-p", args.top_p, 0, 1, finite=True)
     _check_range("--top-k", args.top_k, 0)
     _check_range("--min-p", args.min_p, 0, 1, finite=True)
-    _check_range("--max-tokens", args.max_tokens, 1)
+    _check_range("--max-tokens-limit", args.max_tokens_limit, 1)
+    _check_range("--max-tokens", args.max_tokens, 1, args.max_tokens_limit)
+    for flag in ("--header-timeout", "--body-timeout", "--write-timeout"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not (math.isfinite(value) and value > 0):
+            raise CommandError(
+                f"{flag} must be a positive number of seconds, got {value}"
+            )
     _check_range("--prompt-cache-size", args.prompt_cache_size, 0)
     _check_range("--prompt-cache-bytes", args.prompt_cache_bytes, 0)
     check_state_dir_flags(args)
@@ -202,6 +256,7 @@ def main(argv=None):
     store = open_state_store(args, model, tokenizer, model_name(args.model, path))
     if store is not None:
         extra["state_store"] = store
+    context_length = config_int(model, "max_position_embeddings")
     with bad_input():
         engine = engine_class(
             model,
@@ -215,6 +270,7 @@ def main(argv=None):
             prefill_step_size=args.prefill_step_size,
             batch_size=args.decode_concurrency,
             prefill_chunk=args.prefill_chunk,
+            context_length=context_length,
             **extra,
         )
     if group is not None and group.rank() != 0:
@@ -230,7 +286,8 @@ def main(argv=None):
             "min_p": args.min_p,
             "max_tokens": args.max_tokens,
         },
-        context_length=config_int(model, "max_position_embeddings"),
+        context_length=context_length,
+        max_tokens_limit=args.max_tokens_limit,
         vocab_size=vocab_size,
         chat_template_args=args.chat_template_args,
     )
@@ -243,6 +300,11 @@ def main(argv=None):
         allow_origins=args.allow_origin,
         api_key=args.api_key,
         hidden=(str(path), str(path.resolve())),
+        limits=ClientLimits(
+            header_seconds=args.header_timeout,
+            body_seconds=args.body_timeout,
+            write_seconds=args.write_timeout,
+        ),
     )
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host

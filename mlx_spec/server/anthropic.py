@@ -225,6 +225,8 @@ class MessageResponse:
             )
         if isinstance(event, Finished):
             self.finished = event
+            if event.reason == "cancelled":
+                return [("error", self.cut_short(event))]
             delta = {
                 "type": "message_delta",
                 "delta": {
@@ -239,6 +241,25 @@ class MessageResponse:
                 ("message_stop", {"type": "message_stop"}),
             ]
         raise TypeError(f"unexpected event {event!r}")
+
+    @staticmethod
+    def cut_short(event: Finished) -> dict:
+        """The ``error`` event ending a stream the server cut short, in place
+        of ``message_delta`` and ``message_stop`` (a client must not take it
+        for a whole reply): ``overloaded_error`` for a server stopping (worth
+        a retry), ``api_error`` otherwise; with the tokens and speculation
+        counters so far."""
+        cut = event.cut
+        why = str(cut) if cut is not None else "the request was cancelled"
+        status = cut.status if cut is not None else 500
+        message = (
+            f"{why}; the reply was cut short after {event.completion_tokens} tokens"
+        )
+        return {
+            **error_body(message, status),
+            "usage": {"output_tokens": event.completion_tokens},
+            "speculation": event.speculation,
+        }
 
     def stream(self, events: list) -> List[tuple]:
         """The stream events ``(name, data)`` of ``events`` handed over

@@ -3,12 +3,16 @@ joined without blocking the event loop.
 
 A :class:`Generation` is one request's job as a handler sees it: the engine
 thread hands its events over through the loop's :class:`Mailbox` into an
-asyncio queue, and the same queue receives three other signals the handler
+asyncio queue, and the same queue receives four other signals the handler
 must act on at once, whatever the engine is doing: the client disconnected (a
 task waits on the ASGI ``receive`` channel for ``http.disconnect``), the
-server is shutting down, and the engine's worker has stopped (both from
-:class:`Generations`). A disconnect cancels the job, so the row leaves the
-batch after the pass it is in.
+server is shutting down, the engine's worker has stopped (both from
+:class:`Generations`), and the client has fallen too far behind (its queue
+holds more tokens than the stream's backlog: a handler blocked writing to a
+client that does not read takes nothing from it). A disconnect cancels the
+job, so the row leaves the batch after the pass it is in; so does a backlog
+overflow, after which the stream ends once the client has read what was
+queued before it (or the connection's write timeout closes it).
 
 The loop thread shares the interpreter and, on a small CPU, the cores with
 the engine's worker, so the hand-over costs it as little as it can: the rows
@@ -19,10 +23,11 @@ queue alone (one watchdog a server checks the worker, not a timer a wait).
 import asyncio
 import logging
 import threading
-from typing import AsyncIterator, Dict, List, Optional, Set, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Optional, Set, Tuple
 
 from .engine import Engine
-from .events import Finished, GenerationParams, Job, Token
+from .events import CutShort, Finished, GenerationParams, Job, Progress, Token
+from .limits import STREAM_BACKLOG
 from .wire import ClientGone
 
 log = logging.getLogger("mlx_spec.server")
@@ -30,10 +35,54 @@ log = logging.getLogger("mlx_spec.server")
 HEALTH_CHECK_SECONDS = 1.0  # how often the watchdog checks the worker is alive
 
 _DISCONNECTED, _SHUTDOWN, _WORKER_STOPPED = "disconnected", "shutdown", "stopped"
+_BEHIND = "behind"
 
 
-class ShuttingDown(Exception):
+class ShuttingDown(CutShort):
     """The server is stopping: the request ends now."""
+
+    status = 503
+
+    def __init__(self):
+        super().__init__("the server is shutting down")
+
+
+class FellBehind(CutShort):
+    """The client read too little of its stream: its generation was ended."""
+
+    def __init__(self, backlog: int):
+        super().__init__(
+            f"the client did not read its stream: {backlog} tokens were waiting "
+            "to be sent"
+        )
+
+
+class Inbox(asyncio.Queue):
+    """A generation's queue, which counts the tokens waiting in it (items are
+    lists of events, or signals): once more than ``backlog`` wait,
+    ``overflow`` is called, once."""
+
+    def __init__(self, backlog: int, overflow: Callable[[], None]):
+        super().__init__()
+        self.backlog, self.overflow = backlog, overflow
+        self.waiting, self.overflowed = 0, False
+
+    def put_nowait(self, item):
+        super().put_nowait(item)
+        if isinstance(item, list):
+            self.waiting += _tokens(item)
+            if self.waiting > self.backlog and not self.overflowed:
+                self.overflowed = True
+                self.overflow()
+
+    def taken(self, item):
+        """``item``, got from the queue, is no longer waiting."""
+        if isinstance(item, list):
+            self.waiting -= _tokens(item)
+
+
+def _tokens(events: list) -> int:
+    return sum(isinstance(e, Token) for e in events)
 
 
 class Mailbox:
@@ -139,18 +188,29 @@ class Generations:
 class Generation:
     """One request's job, submitted to ``engine``, and its events. Call
     :meth:`close` when done with it: it cancels a job not finished and stops
-    watching the connection."""
+    watching the connection. ``backlog``: the most tokens that may wait for
+    the handler (one that writes to a client not reading takes none); past
+    it the job is cancelled and the handler gets :class:`FellBehind` after
+    the events queued before."""
 
-    def __init__(self, engine: Engine, registry: Generations, receive, job_args):
+    def __init__(
+        self,
+        engine: Engine,
+        registry: Generations,
+        receive,
+        job_args,
+        backlog: int = STREAM_BACKLOG,
+    ):
         if registry.closing:
             raise ShuttingDown()
         loop = asyncio.get_running_loop()
         self.engine, self.registry = engine, registry
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = Inbox(backlog, self._fell_behind)
         mailbox = registry.mailbox(loop)
         self.job = AsyncJob(*job_args, mailbox=mailbox, queue=self.queue)
         self.finished = False
         self.tokens = 0  # tokens seen so far
+        self.speculation: Dict = {}  # the row's counters, as of the last pass seen
         engine.submit(self.job)
         registry.add(self, engine)
         self._watcher: Optional[asyncio.Task] = loop.create_task(self._watch(receive))
@@ -163,6 +223,13 @@ class Generation:
             if message["type"] == "http.disconnect":
                 self.signal(_DISCONNECTED)
                 return
+
+    def _fell_behind(self):
+        """The backlog overflowed (on the loop's thread, as the queue is
+        filled): the row leaves the batch after its pass."""
+        log.info("a client fell %d tokens behind its stream", self.queue.waiting)
+        self.job.cancel()
+        self.signal(_BEHIND)
 
     def signal(self, what: str):
         self.queue.put_nowait(what)
@@ -183,26 +250,36 @@ class Generation:
 
     async def next_batch(self) -> list:
         """The next events the engine hands over. Raises the job's error,
-        :class:`ClientGone`, :class:`ShuttingDown` (the job then cancelled)
-        or ``RuntimeError`` (the worker has stopped)."""
+        :class:`ClientGone`, :class:`ShuttingDown` or :class:`FellBehind`
+        (the job then cancelled) or ``RuntimeError`` (the worker has
+        stopped)."""
         item = await self.queue.get()
+        self.queue.taken(item)
         if item == _DISCONNECTED:
             self.job.cancel()
             raise ClientGone()
         if item == _SHUTDOWN:
             self.job.cancel()
             raise ShuttingDown()
+        if item == _BEHIND:
+            raise FellBehind(self.queue.backlog)
         if item == _WORKER_STOPPED:
             raise RuntimeError("the generation worker has stopped")
+        events = []
         for event in item:
             if isinstance(event, Exception):
                 self.finished = True  # the engine let go of it
                 raise event
+            if isinstance(event, Progress):
+                self.speculation = event.speculation
+                continue
             if isinstance(event, Finished):
                 self.finished = True
-        self.tokens += sum(isinstance(e, Token) for e in item)
-        return item
+            events.append(event)
+        self.tokens += _tokens(events)
+        return events
 
-    def cut_short(self) -> Finished:
-        """The ``Finished`` of a request the server ended (shutdown)."""
-        return Finished("cancelled", self.tokens, {})
+    def cut_short(self, why: CutShort) -> Finished:
+        """The ``Finished`` of a request the server ended (``why``): the
+        tokens seen so far and the row's counters as of its last pass."""
+        return Finished("cancelled", self.tokens, self.speculation, cut=why)

@@ -21,7 +21,8 @@ all of them when the engine closes, are written in the background; a prompt
 that continues a longer state on disk than in memory loads it.
 
 A job's events: ``Started`` once (prompt and cached token counts), then
-``Token``, ``Segment`` (content or reasoning) and ``ToolCall`` events, then
+``Token``, ``Segment`` (content or reasoning) and ``ToolCall`` events, each
+pass's with a ``Progress`` (the row's speculation counters so far), then
 ``Finished``; or one exception (a request whose own sampler or logits
 processors raise gets theirs and leaves the batch; the others go on, see
 :mod:`~mlx_spec.core.row_guard`). ``Job.cancel()`` (a client that went away)
@@ -50,7 +51,8 @@ from ..generate import check_options
 from ..mlx_lm_compat import make_logits_processors
 from ..models.pipeline import broadcast_bytes
 from ..state_store import StateStore
-from .events import Finished, GenerationParams, Job, Started, TextRouter, Token
+from .events import Finished, GenerationParams, Job, Progress, Started, TextRouter
+from .events import Token
 from .prefill import Joining, PrefillQueue
 from .state_cache import StateCache
 
@@ -58,17 +60,20 @@ log = logging.getLogger("mlx_spec.server")
 
 
 class _Output:
-    """One admitted job's side: detokenizing, routing text, its finish."""
+    """One admitted job's side: detokenizing, routing text, its finish.
+    ``budget``: the most tokens it may emit (its ``max_tokens``, within the
+    model's context)."""
 
-    def __init__(self, job: Job, tokenizer, draft: str):
+    def __init__(self, job: Job, tokenizer, draft: str, budget: int, stats: SpecStats):
         self.job, self.draft, self.tokenizer = job, draft, tokenizer
+        self.budget, self.stats = budget, stats
         self.detokenizer = tokenizer.detokenizer
         self.router = TextRouter(tokenizer, job.params, job.initial_state)
         self.n, self.reason, self.tic = 0, None, time.perf_counter()
 
     def emit(self, tokens: List[int], logprobs: mx.array):
-        """Send the events of a pass's tokens, as one item; sets ``reason``
-        once done."""
+        """Send the events of a pass's tokens, as one item, with the row's
+        counters after the pass; sets ``reason`` once done."""
         p, events = self.job.params, []
         chosen = [None] * len(tokens)
         if p.logprobs:  # a sync: it would also wait for a pass queued ahead
@@ -79,7 +84,7 @@ class _Output:
             eos = token in self.tokenizer.eos_token_ids
             if not eos:
                 self.detokenizer.add_token(token)
-            length = self.n >= p.max_tokens
+            length = self.n >= self.budget
             if eos or length:
                 self.detokenizer.finalize()
             events += self.router.feed(self.detokenizer.last_segment, eos, length)
@@ -91,21 +96,30 @@ class _Output:
                 break
         if self.job.cancelled and not self.reason:
             self.reason = "cancelled"
-        self.job.put(*events)
+        self.job.put(*events, Progress(self.speculation()))
 
-    def finish(self, stats: SpecStats):
+    def speculation(self) -> dict:
+        return speculation_counters(
+            self.draft, self.stats, time.perf_counter() - self.tic
+        )
+
+    def finish(self):
         reason = self.reason or "cancelled"
         if reason == "stop" and self.router.made_tool_call:
             reason = "tool_calls"
-        speculation = {
-            "draft": self.draft,
-            "drafted": stats.drafted,
-            "accepted": stats.accepted,
-            "verify_passes": stats.verify_passes,
-            "seconds": round(time.perf_counter() - self.tic, 6),
-        }
         stop_word = self.router.stop_word if reason == "stop" else None
-        self.job.put(Finished(reason, self.n, speculation, stop_word))
+        self.job.put(Finished(reason, self.n, self.speculation(), stop_word))
+
+
+def speculation_counters(draft: str, stats: SpecStats, seconds: float) -> dict:
+    """A reply's speculation counters, as responses carry them."""
+    return {
+        "draft": draft,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "verify_passes": stats.verify_passes,
+        "seconds": round(seconds, 6),
+    }
 
 
 def _top(logprobs: mx.array, n: int) -> List[tuple]:
@@ -135,12 +149,15 @@ class Engine:
         prefill_chunk: int = 256,
         start: bool = True,
         state_store: Optional[StateStore] = None,
+        context_length: Optional[int] = None,
     ):
+        """``context_length``: the model's context (its
+        ``max_position_embeddings``); no reply runs past it (None: unknown)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.context_length = prefill_chunk, context_length
         self.model, self.tokenizer = model, tokenizer
         self.draft, self.num_draft_tokens = draft, num_draft_tokens
         self.max_ngram, self.prefill_step_size = max_ngram, prefill_step_size
@@ -281,6 +298,7 @@ class Engine:
             if draft == "none":
                 num_draft_tokens = 0
             check_options(p.max_tokens, draft, num_draft_tokens)
+            self._budget(job)  # a prompt that fills the context fails here
             state = self._kept(draft, job.prompt)
             covered = 0 if state is None else len(state.history)
             if self.prefills.wait_to_share(job, draft, covered):
@@ -302,12 +320,27 @@ class Engine:
                 restore(decoder, state, copy_caches=True)
                 new = job.prompt[len(state.history) :]
                 cached = len(state.history) - state.pending
-            job.put(Started(len(job.prompt), cached))
+            counters = speculation_counters(draft, decoder.stats, 0.0)
+            job.put(Started(len(job.prompt), cached), Progress(counters))
             j = Joining(job, draft, num_draft_tokens, decoder, new, len(new) > 1)
             self.prefills.join(j, p.shared_prefix)
         except Exception as e:  # reported to its client; the others go on
             log.exception("request failed")
             job.put(e)
+
+    def _budget(self, job: Job) -> int:
+        """The most tokens ``job`` may emit: its ``max_tokens``, and no more
+        than its prompt leaves of the model's context (so neither the
+        target's passes nor the drafts verified with them run past it)."""
+        if self.context_length is None:
+            return job.params.max_tokens
+        room = self.context_length - len(job.prompt)
+        if room < 1:
+            raise ValueError(
+                f"the prompt has {len(job.prompt)} tokens; the model's context "
+                f"holds {self.context_length}, leaving no room for a reply"
+            )
+        return min(job.params.max_tokens, room)
 
     def _prefill(self, batch: BatchDecoder):
         """Feed the joining prompts: ``prefill_chunk`` tokens in all while
@@ -337,10 +370,11 @@ class Engine:
             xtc_threshold=p.xtc_threshold,
             xtc_special_tokens=xtc_special_tokens(self.tokenizer),
         )
-        output = _Output(j.job, self.tokenizer, j.draft)
+        budget = self._budget(j.job)
+        output = _Output(j.job, self.tokenizer, j.draft, budget, j.decoder.stats)
         id = batch.add(
             j.decoder,
-            p.max_tokens,
+            budget,
             sampler,
             j.num_draft_tokens,
             stop_tokens=self.tokenizer.eos_token_ids,
@@ -375,7 +409,7 @@ class Engine:
             decoder = batch.take(id)
             del self._live[id]
             self.states.insert(capture(decoder, flush=False))
-            output.finish(decoder.stats)
+            output.finish()
 
 
 class _Discard:

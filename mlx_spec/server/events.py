@@ -62,11 +62,31 @@ class ToolCall:
 
 
 @dataclass
+class Progress:
+    """A row's speculation counters after its latest pass (drafter, drafted,
+    accepted, verify passes, seconds): what a reply the server cuts short
+    reports, since its ``Finished`` is not the engine's."""
+
+    speculation: Dict[str, Any]
+
+
+class CutShort(Exception):
+    """Why the server ended a reply before its finish: said to the client
+    (``status``: the HTTP status of the error it is in the API's terms,
+    e.g. 503 for a server stopping)."""
+
+    status = 500
+
+
+@dataclass
 class Finished:
     reason: str  # "stop", "length", "tool_calls", "cancelled"
     completion_tokens: int
     speculation: Dict[str, Any]
     stop_sequence: Optional[str] = None  # the stop word that ended the reply
+    # a "cancelled" reply the server cut short: why (None: the engine's own
+    # cancel, e.g. a client gone)
+    cut: Optional[CutShort] = None
 
 
 class Job:

@@ -31,7 +31,9 @@ from starlette.routing import Route
 from . import anthropic, openai
 from .bridge import Generation, Generations, ShuttingDown
 from .engine import Engine
+from .events import CutShort
 from .guard import guard_middleware
+from .limits import ClientLimits, h11_protocol
 from .requests import RequestError, ServerContext, completion_echo, field
 from .requests import openai_request
 from .wire import MAX_BODY_BYTES, ClientGone, error_response, json_response
@@ -109,8 +111,10 @@ class MessagesExchange:
 
 class EventStream:
     """The ASGI response of a streamed request: the events of the batches
-    the job hands over, then the exchange's tail (``[DONE]``). A shutdown
-    ends the stream as a finish would; a client gone ends it silently."""
+    the job hands over, then the exchange's tail (``[DONE]``). A stream the
+    server cuts short (a shutdown, a client too far behind) ends with a
+    ``cancelled`` finish carrying the counters so far; a client gone ends it
+    silently."""
 
     def __init__(self, exchange, generation: Generation, first: list, scrub):
         self.exchange, self.generation, self.first = exchange, generation, first
@@ -129,8 +133,8 @@ class EventStream:
             try:
                 async for events in generation.batches():
                     await write(x.events(events))
-            except ShuttingDown:
-                await write(x.events([generation.cut_short()]))
+            except CutShort as cut:
+                await write(x.events([generation.cut_short(cut)]))
             await write(x.tail(), more=False)
         except ClientGone:
             log.info("client went away mid-stream")
@@ -153,8 +157,10 @@ class Server:
         ctx: ServerContext,
         hidden: Collection[str],
         max_body_bytes: int = MAX_BODY_BYTES,
+        limits: ClientLimits = ClientLimits(),
     ):
         self.engine, self.ctx, self.max_body_bytes = engine, ctx, max_body_bytes
+        self.limits = limits
         self.hidden = sorted((h for h in hidden if h), key=len, reverse=True)
         self.generations = Generations()
         self.started = time.time()
@@ -191,18 +197,25 @@ class Server:
     async def _answer(self, request: Request, exchange_class):
         path = request.url.path
         try:
-            raw = await read_body(request, self.max_body_bytes)
+            limits = self.limits
+            raw = await read_body(request, self.max_body_bytes, limits.body_seconds)
             exchange = await run_in_threadpool(
                 self._exchange, exchange_class, raw, path
             )
             job = (exchange.prompt, exchange.params, exchange.state)
-            generation = Generation(self.engine, self.generations, request.receive, job)
+            generation = Generation(
+                self.engine,
+                self.generations,
+                request.receive,
+                job,
+                backlog=limits.stream_backlog,
+            )
         except RequestError as e:
             return self.error(path, e.status, str(e), e.param)
         except ClientGone:
             return Response(status_code=400)  # nobody reads it
-        except ShuttingDown:
-            return self.error(path, 503, "the server is shutting down")
+        except ShuttingDown as e:
+            return self.error(path, e.status, str(e))
         handed_over = False  # to the stream, which closes it
         try:
             if not exchange.stream:
@@ -215,8 +228,8 @@ class Server:
         except ClientGone:
             log.info("client went away")
             return Response(status_code=400)  # nobody reads it
-        except ShuttingDown:
-            return self.error(path, 503, "the server is shutting down")
+        except CutShort as e:
+            return self.error(path, e.status, str(e))
         except ValueError as e:  # options the engine refused (e.g. no MTP head)
             return self.error(path, 400, str(e))
         except Exception as e:  # a failed generation: this request only
@@ -253,11 +266,13 @@ def make_app(
     api_key: Optional[str] = None,
     hidden: Collection[str] = (),
     max_body_bytes: int = MAX_BODY_BYTES,
+    limits: ClientLimits = ClientLimits(),
 ) -> Starlette:
     """The ASGI application serving ``engine`` (``app.state.server``: its
     :class:`Server`); ``host``: the address bound (a loopback one turns the
-    Host check on); ``hidden``: see :class:`Server`."""
-    server = Server(engine, ctx, hidden, max_body_bytes)
+    Host check on); ``hidden``: see :class:`Server`; ``limits``: what one
+    client may hold (:mod:`.limits`; served by :func:`uvicorn_config`)."""
+    server = Server(engine, ctx, hidden, max_body_bytes, limits)
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/health", server.health, methods=["GET"]),
@@ -318,11 +333,11 @@ class _Uvicorn(uvicorn.Server):
 
 def uvicorn_config(app: Starlette, log_level: str = "info") -> uvicorn.Config:
     """uvicorn serving ``app`` over HTTP/1.1 with h11 (the same parser
-    whichever optional packages are installed), logging through the root
-    logger."""
+    whichever optional packages are installed), held to the app's client
+    limits, logging through the root logger."""
     return uvicorn.Config(
         app,
-        http="h11",
+        http=h11_protocol(app.state.server.limits),
         ws="none",
         lifespan="off",
         log_config=None,

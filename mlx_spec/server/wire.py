@@ -3,6 +3,7 @@ limit, JSON written as standard JSON only, server-sent events, and error
 responses in the shape of the endpoint's API (Anthropic's on
 ``/v1/messages``, OpenAI's elsewhere)."""
 
+import asyncio
 import json
 from typing import Optional
 
@@ -57,23 +58,34 @@ def sse(data, event: Optional[str] = None) -> bytes:
     return f"{head}data: {payload}\n\n".encode()
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The request's body; a :class:`RequestError` (413) past ``limit`` bytes,
-    refused from a declared length before any byte is read."""
+async def read_body(
+    request: Request, limit: int = MAX_BODY_BYTES, timeout: Optional[float] = None
+) -> bytes:
+    """The request's body; a :class:`RequestError` past ``limit`` bytes (413,
+    refused from a declared length before any byte is read), or when it has
+    not all arrived within ``timeout`` seconds (408; None: no limit)."""
     declared = request.headers.get("content-length")
     too_big = f"the body must be at most {limit} bytes"
     if declared is not None and declared.isdecimal() and int(declared) > limit:
         raise RequestError(too_big, status=413)
-    chunks, size = [], 0
-    try:
+
+    async def chunks() -> bytes:
+        read, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise RequestError(too_big, status=413)
-            chunks.append(chunk)
+            read.append(chunk)
+        return b"".join(read)
+
+    try:
+        return await asyncio.wait_for(chunks(), timeout)
     except ClientDisconnect:
         raise ClientGone() from None
-    return b"".join(chunks)
+    except asyncio.TimeoutError:
+        raise RequestError(
+            f"the request's body did not arrive within {timeout:g} s", status=408
+        ) from None
 
 
 def parse_json_object(raw: bytes) -> dict:
@@ -83,6 +95,10 @@ def parse_json_object(raw: bytes) -> dict:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(f"the body is not valid JSON: {e}") from None
+    except ValueError:  # Python reads integers of at most 4300 digits
+        raise RequestError(
+            "the body is not valid JSON: a number has too many digits to read"
+        ) from None
     except RecursionError:
         raise RequestError("the body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):

@@ -48,3 +48,34 @@ def post_stream(port: int, path: str, body: Any, timeout: float = 120.0) -> List
         if line.startswith("data: ") and line != "data: [DONE]":
             events.append(json.loads(line[len("data: ") :]))
     return events
+
+
+def http_request(path: str, body: bytes, headers=(), method: str = "POST") -> bytes:
+    """The bytes of an HTTP/1.1 request to 127.0.0.1 (``headers``: lines
+    such as ``"Content-Length: 5"``), for a test to send on a raw socket,
+    whole or in part."""
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def json_request(path: str, body: Any) -> bytes:
+    """:func:`http_request` of ``body`` as JSON."""
+    data = json.dumps(body).encode()
+    headers = ["Content-Type: application/json", f"Content-Length: {len(data)}"]
+    return http_request(path, data, headers)
+
+
+def read_until_closed(sock, limit: int = 64 << 20) -> bytes:
+    """Everything ``sock`` receives until the peer closes the connection
+    (or resets it); a ``socket.timeout`` (the socket's own timeout) if it
+    never does, an ``AssertionError`` past ``limit`` bytes."""
+    received = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return received
+        if not chunk:
+            return received
+        received += chunk
+        assert len(received) <= limit, "the server sent more than expected"

@@ -567,9 +567,11 @@ def _decoding(port) -> int:
 @pytest.mark.slow
 def test_a_signal_ends_open_requests_at_once(tiny, sig):
     """SIGTERM or SIGINT while an OpenAI and an Anthropic stream and a
-    request not streamed are decoding: each stream ends with its final event
-    and terminator, ``[DONE]`` or ``message_stop``, the other request gets a
-    503; then the process exits with status 0."""
+    request not streamed are decoding: the OpenAI stream ends with its final
+    chunk (``cancelled``) and ``[DONE]``, the Anthropic stream with an
+    ``error`` event (not ``message_stop``: a client must not take a cut reply
+    for a whole one), each with the speculation counters so far; the other
+    request gets a 503; then the process exits with status 0."""
     port = free_port()
     long = {"max_tokens": 3000, "draft": "none"}
     with running_server(mlx_spec_server(tiny, port), port) as proc:
@@ -594,8 +596,15 @@ def test_a_signal_ends_open_requests_at_once(tiny, sig):
     assert oa_text.rstrip().endswith("data: [DONE]")
     last = json.loads(oa_text.split("data: ")[-2])
     assert last["choices"][0]["finish_reason"] == "cancelled"
+    assert last["speculation"]["verify_passes"] > 0  # the counters so far
     events = re.findall(r"event: (\w+)", an_text)
-    assert events[-2:] == ["message_delta", "message_stop"]
+    assert events[-1] == "error"
+    assert "message_delta" not in events and "message_stop" not in events
+    error = json.loads(an_text.rstrip().split("data: ")[-1])
+    assert error["error"]["type"] == "overloaded_error"
+    assert "shutting down" in error["error"]["message"]
+    assert error["speculation"]["verify_passes"] > 0
+    assert error["usage"]["output_tokens"] > 0
     status, _, reply = whole["r"]
     assert status == 503 and "shutting down" in reply["error"]["message"]
 

@@ -208,3 +208,90 @@ def test_top_k_past_the_vocabulary_harms_no_other_request(server, path):
         assert text == want
     later = post(server[1], path, request(path, 8, temperature=0.9, top_k=7))
     assert later[0] == 200, later
+
+
+# Every number a request may carry, by endpoint; each is range-checked before
+# anything reaches MLX (which cannot take an integer past 64 bits, and turns a
+# float past float32's range into inf).
+SAMPLING = ["temperature", "top_p", "top_k", "min_p", "seed", "xtc_probability"]
+SAMPLING += ["xtc_threshold", "num_draft_tokens", "max_tokens"]
+PENALTIES = ["repetition_penalty", "presence_penalty", "frequency_penalty"]
+PENALTIES += [f"{p}_context_size" for p in ("repetition", "presence", "frequency")]
+NUMBERS = {
+    "/v1/chat/completions": SAMPLING
+    + PENALTIES
+    + ["max_completion_tokens", "n", "top_logprobs", "logit_bias"],
+    "/v1/completions": SAMPLING
+    + PENALTIES
+    + ["max_completion_tokens", "n", "logprobs", "best_of", "logit_bias"],
+    "/v1/messages": SAMPLING,
+}
+HUGE = [2**70, -(2**70), 1e308, -1e308, 10**400]
+# a large integer is a budget to cap (tested in test_server_limits.py) or a
+# top_k that keeps every token; anything else out of range is refused
+ACCEPTED = {"max_tokens", "max_completion_tokens", "top_k"}
+
+
+@pytest.mark.parametrize(
+    "path, name", [(p, n) for p, names in NUMBERS.items() for n in names]
+)
+def test_huge_numbers_are_a_400_naming_the_field(server, path, name):
+    for value in HUGE:
+        if name in ACCEPTED and isinstance(value, int) and value > 0:
+            continue
+        fields = {name: value}
+        if name == "logit_bias":
+            fields = {name: {"5": value}}
+        elif name.endswith("_context_size"):
+            fields["repetition_penalty"] = 1.2
+        elif name == "max_tokens":
+            fields = {}
+        body = request(path, **fields)
+        if name == "max_tokens":
+            body["max_tokens"] = value
+        status, reply = post(server[1], path, body)
+        assert status == 400, (value, reply)
+        assert f"'{name}'" in error_message(reply), (value, reply)
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_a_huge_top_k_keeps_every_token(server, path):
+    status, reply = post(server[1], path, request(path, top_k=2**70))
+    assert status == 200, reply
+
+
+@pytest.mark.parametrize("path", OPENAI)
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("temperature", 1e-300),  # 1 / temperature is inf in float32
+        ("repetition_penalty", 1e-300),  # seen logits divided by 0
+        ("repetition_penalty", 11),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("temperature", 101),
+    ],
+)
+def test_numbers_outside_their_documented_range_are_a_400(server, path, name, value):
+    status, reply = post(server[1], path, request(path, **{name: value}))
+    assert status == 400 and f"'{name}'" in error_message(reply), reply
+
+
+@pytest.mark.parametrize("path", OPENAI)
+def test_values_clients_send_are_accepted(server, path):
+    """The common settings (OpenAI's, mlx-lm's, Qwen's recommended ones)."""
+    for fields in (
+        {"temperature": 2, "presence_penalty": 2, "frequency_penalty": -2},
+        {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "presence_penalty": 1.5},
+        {"repetition_penalty": 1.1, "repetition_context_size": 64},
+        {"temperature": 1e-5, "min_p": 0.05, "seed": 2**64 - 1},
+    ):
+        status, reply = post(server[1], path, request(path, **fields))
+        assert status == 200, (fields, reply)
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_a_number_too_long_to_read_is_a_400(server, path):
+    raw = json.dumps(request(path))[:-1] + ', "seed": ' + "9" * 5000 + "}"
+    status, reply = post(server[1], path, None, raw=raw.encode())
+    assert status == 400 and "too many digits" in error_message(reply), reply
