@@ -10,6 +10,7 @@ import numpy as np
 
 from .core.decode import SpeculativeDecoder, speculative_generate_step
 from .core.policy import most_drafts
+from .core.policy_tuning import DEFAULT_TUNING, PolicyTuning
 from .core.verify_profile import head_step_cost, verify_cost_profiles
 from .core.state import ROLLBACK_STRATEGIES
 from .core.stats import SpecStats
@@ -127,6 +128,7 @@ def stream_generate(
     stats: Optional[SpecStats] = None,
     timing: bool = False,
     decoder: Optional[SpeculativeDecoder] = None,
+    tuning: PolicyTuning = DEFAULT_TUNING,
     **kwargs,
 ):
     """Like ``mlx_lm.stream_generate``, drafting with ``draft`` and verifying.
@@ -145,6 +147,10 @@ def stream_generate(
     drafter, history and statistics; ``draft`` and ``prompt_cache`` are then
     unused): ``prompt`` holds only the new tokens, and at the end the caches
     hold every token, as a reused mlx-lm prompt cache does.
+
+    ``tuning``: the constants of ``num_draft_tokens="auto"`` (a
+    :class:`~mlx_spec.core.policy_tuning.PolicyTuning`; experiments build
+    variants of the default with ``dataclasses.replace``).
     """
     if decoder is not None:
         draft, stats = decoder.drafter, decoder.stats
@@ -155,6 +161,8 @@ def stream_generate(
             )
     draft = default_draft(model) if draft is None else draft
     check_options(max_tokens, draft, num_draft_tokens, kwargs.get("rollback", "store"))
+    if not isinstance(tuning, PolicyTuning):
+        raise ValueError(f"tuning must be a PolicyTuning, got {type(tuning).__name__}")
     step = kwargs.get("prefill_step_size")
     if step is not None and not (_is_id(step) and step >= 1):
         raise ValueError(f"prefill_step_size must be an integer >= 1, got {step!r}")
@@ -194,7 +202,7 @@ def stream_generate(
             kwargs.pop(k, None)
         if num_draft_tokens == "auto":  # measured (once) apart from the prompt
             tic = time.perf_counter()
-            verify_cost_profiles(model), head_step_cost(model)
+            verify_cost_profiles(model, tuning), head_step_cost(model)
             stats.profile_seconds = time.perf_counter() - tic
         tokens = _on_stream(
             stream,
@@ -208,6 +216,7 @@ def stream_generate(
                 stop_tokens=tokenizer.eos_token_ids,
                 rollback=rollback,
                 decoder=decoder,
+                tuning=tuning,
                 # mlx-lm leaves a caller's cache holding every token it yielded
                 flush=decoder is not None or kwargs.get("prompt_cache") is not None,
                 **kwargs,

@@ -51,6 +51,7 @@ from .batch_policy import (
 from .sequence import NO_DRAFT, SpeculativeDecoder
 from .pass_cost import PassCost, PassShape
 from .policy import pass_cost_model, policies_by_source
+from .policy_tuning import DEFAULT_TUNING, PolicyTuning
 from .row_caches import BatchCaches, RowCaches, SequenceCaches
 from .row_guard import RowFailed, RowGuard
 from .sampling import make_draft_sampler, make_sampler
@@ -84,7 +85,8 @@ class BatchDecoder:
     """Up to ``n_slots`` sequences decoded together, one target pass per step.
 
     Sequences are named by the id :meth:`add` returns. ``row_caches``: where
-    the rows live (default: a batch's own, :class:`BatchCaches`)."""
+    the rows live (default: a batch's own, :class:`BatchCaches`);
+    ``tuning``: the constants of its ``auto`` rows' policies."""
 
     def __init__(
         self,
@@ -93,8 +95,10 @@ class BatchDecoder:
         max_draft: int,
         rollback: str = "store",
         row_caches: Optional[RowCaches] = None,
+        tuning: PolicyTuning = DEFAULT_TUNING,
     ):
         self.model, self.n_slots, self.max_draft = model, n_slots, max_draft
+        self.tuning = tuning
         self.group = pipeline_group(model)
         if row_caches is None:
             row_caches = BatchCaches(model, max_draft, rollback, self.group is not None)
@@ -111,11 +115,15 @@ class BatchDecoder:
         self._next_id = 0
 
     @classmethod
-    def alone(cls, decoder: SpeculativeDecoder) -> "BatchDecoder":
+    def alone(
+        cls, decoder: SpeculativeDecoder, tuning: PolicyTuning = DEFAULT_TUNING
+    ) -> "BatchDecoder":
         """A batch of one decoding ``decoder`` in its own caches (its KV
         quantization and prompt cache included)."""
         caches = SequenceCaches(decoder.cache, decoder.kv)
-        return cls(decoder.model, 1, decoder.max_draft, row_caches=caches)
+        return cls(
+            decoder.model, 1, decoder.max_draft, row_caches=caches, tuning=tuning
+        )
 
     @property
     def caches(self) -> list:
@@ -178,7 +186,7 @@ class BatchDecoder:
         policy = None
         if auto and decoder.drafter is not None:
             if self.cost is None:  # one model prices every row's passes
-                self.cost = pass_cost_model(self.model, verify_costs)
+                self.cost = pass_cost_model(self.model, verify_costs, self.tuning)
             policy = policies_by_source(self.cost, self.max_draft, self.group)
             if self.lengths is None and self.n_slots > 1:
                 self.lengths = PassLength(self.cost, self.group)

@@ -16,7 +16,7 @@ learning from the row's passes), and ``cost`` the batch's
 chooses by) of ``B`` rows over ``T`` positions, ``k_h`` head steps and the
 catch-up the head rows' drafts run (0 when ``k_h = 0``: their deferred rows
 need not run otherwise; a request that ends keeps them unrun in its state).
-After ``TUNING.probe_every`` passes at ``k = 0``, one pass drafts one token,
+After ``tuning.probe_every`` passes at ``k = 0``, one pass drafts one token,
 so acceptance that improves is noticed.
 """
 
@@ -48,7 +48,7 @@ class PassLength(_ProbeFields):
 
     def __init__(self, cost: PassCost, group=None):
         self.cost, self.group = cost, group
-        self.probes = ProbeSchedule()
+        self.probes = ProbeSchedule(cost.tuning)
         self.last = None  # the last (k, k_h) chosen
 
     def choose(

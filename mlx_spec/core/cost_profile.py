@@ -27,7 +27,7 @@ import threading
 from collections import deque
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .policy_tuning import TUNING
+from .policy_tuning import DEFAULT_TUNING, PolicyTuning
 
 SHORT_CONTEXT = 32  # tokens of context the short profile is measured after
 
@@ -40,7 +40,9 @@ class CostProfile:
 
     ``store``: called with (short, long) after a correction, to keep it
     (None: kept for this object only). ``version`` counts corrections, so a
-    fit over residuals from the old costs knows to start again."""
+    fit over residuals from the old costs knows to start again. One profile
+    is shared by every generation of a model in a process; each pass says
+    under which tuning it corrects it (``heal_window``, ``heal_down``)."""
 
     def __init__(
         self,
@@ -70,24 +72,30 @@ class CostProfile:
         slope = max(long[k] - base, 0.0) / (c1 - SHORT_CONTEXT)
         return base + slope * max(context - SHORT_CONTEXT, 0)
 
-    def observe(self, k: int, context: int, seconds: float) -> bool:
+    def observe(
+        self,
+        k: int,
+        context: int,
+        seconds: float,
+        tuning: PolicyTuning = DEFAULT_TUNING,
+    ) -> bool:
         """A fairly timed pass with ``k`` drafts after ``context`` tokens took
-        ``seconds``; True when it corrected the profile."""
+        ``seconds``; True when it corrected the profile (as ``tuning`` says)."""
         with self._lock:
-            return self._observe(k, context, seconds)
+            return self._observe(k, context, seconds, tuning)
 
-    def _observe(self, k: int, context: int, seconds: float) -> bool:
-        window = TUNING.heal_window
+    def _observe(self, k: int, context: int, seconds: float, tuning) -> bool:
+        window = tuning.heal_window
         if window <= 0 or not 0 <= k < len(self.short):
             return False
         recent = self._recent.setdefault(k, deque(maxlen=window))
-        if recent.maxlen != window:  # the tuning changed
+        if recent.maxlen != window:  # a pass under another tuning
             recent = self._recent[k] = deque(recent, maxlen=window)
         recent.append(seconds / self.verify_cost(k, context))
         if len(recent) < window:
             return False
         fast = sorted(recent)[min(1, window - 1)]  # one mis-timed pass is not news
-        if fast >= 1 - TUNING.heal_down:
+        if fast >= 1 - tuning.heal_down:
             return False
         self._correct(k, fast)
         return True

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from .batch import BatchDecoder
 from .policy import most_drafts
+from .policy_tuning import DEFAULT_TUNING, PolicyTuning
 from .sampling import make_draft_sampler, make_sampler
 from .sequence import NO_DRAFT, SpeculativeDecoder
 from .stats import PhaseClock, SpecStats
@@ -36,6 +37,7 @@ def speculative_generate_step(
     flush: bool = False,
     timing: bool = False,
     stats: Optional[SpecStats] = None,
+    tuning: PolicyTuning = DEFAULT_TUNING,
     **decoder_args,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield ``(token, logprobs [V], from_draft)`` like mlx-lm's ``generate_step``.
@@ -50,14 +52,15 @@ def speculative_generate_step(
     or after the pass during which ``should_stop()`` became true. ``decoder``
     continues an earlier generation (chat); ``flush`` processes the last
     token at the end, as mlx-lm does (the caches then hold every token);
-    ``timing`` fills ``stats.phases`` (at the cost of extra syncs).
+    ``timing`` fills ``stats.phases`` (at the cost of extra syncs);
+    ``tuning``: the constants of ``auto`` (an experiment's variant).
     """
     max_draft = most_drafts(num_draft_tokens)
     if decoder is None:
         decoder = SpeculativeDecoder(
             model, drafter, max_draft, stats=stats, **decoder_args
         )
-    engine = BatchDecoder.alone(decoder)
+    engine = BatchDecoder.alone(decoder, tuning)
     progress = prompt_progress_callback or (lambda *_: None)
     tokens = prompt.tolist()
     if decoder.drafter is not None:

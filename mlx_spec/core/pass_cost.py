@@ -25,7 +25,7 @@ shape alone then move only what they can tell apart (a run of one-token
 passes moves ``extra``), and a coefficient no pass has told is the prior's.
 The first pass of each shape is not counted (it pays the shape's warm-up),
 and a pass of a shape counted before counts as at most
-``TUNING.stall_bound`` times its expected cost.
+``tuning.stall_bound`` times its expected cost.
 """
 
 from dataclasses import dataclass
@@ -33,7 +33,7 @@ from typing import List, Optional
 
 from .cost_profile import SHORT_CONTEXT, CostProfile
 from .least_squares import decayed, outer, solve_linear
-from .policy_tuning import TUNING
+from .policy_tuning import DEFAULT_TUNING, PolicyTuning
 
 FEATURES = ("extra", "scale", "per_row", "per_drafting_row", "per_head_step")
 FEATURES += ("per_catch_up",)
@@ -51,9 +51,11 @@ class PassShape:
     context: int = SHORT_CONTEXT  # tokens before the pass, averaged over rows
 
 
-def counted_seconds(seen: set, shape, seconds: float, expected: float) -> float:
+def counted_seconds(
+    seen: set, shape, seconds: float, expected: float, stall_bound: float
+) -> float:
     """What the fit counts for a timed pass of ``shape`` that took
-    ``seconds`` where it expected ``expected``: at most ``TUNING.stall_bound``
+    ``seconds`` where it expected ``expected``: at most ``stall_bound``
     times that once a pass of the same shape was counted (``seen``,
     updated). A few passes the machine stalled on (85-100 ms among 20 ms
     ones) must not price every later pass, while a shape's first counted
@@ -62,18 +64,25 @@ def counted_seconds(seen: set, shape, seconds: float, expected: float) -> float:
     if shape not in seen:
         seen.add(shape)
         return seconds
-    return min(seconds, TUNING.stall_bound * expected)
+    return min(seconds, stall_bound * expected)
 
 
 class PassCost:
     """The pass-cost model over ``profile``; ``head_step``: the profiled
-    seconds of one MTP head step (the prior of ``per_head_step``).
+    seconds of one MTP head step (the prior of ``per_head_step``);
+    ``tuning``: its constants (and those of the policies it prices for).
 
     One instance is shared by whatever chooses draft lengths for the same
     passes (a sequence's per-source policies, a batch and its rows)."""
 
-    def __init__(self, profile: CostProfile, head_step: float = 0.0):
+    def __init__(
+        self,
+        profile: CostProfile,
+        head_step: float = 0.0,
+        tuning: PolicyTuning = DEFAULT_TUNING,
+    ):
         self.profile = profile
+        self.tuning = tuning
         self.head_step = head_step
         self._unit = max(profile.short[0], 1e-9)  # forward(1): scale's unit
         self._reset()
@@ -93,11 +102,11 @@ class PassCost:
         means = [0.0, self._unit, 0.0, 0.0, self.head_step, 0.0]
         weights = [
             1e-6,  # extra: free (the pull only keeps the fit solvable)
-            TUNING.scale_prior_weight,
-            TUNING.row_prior_weight,
-            TUNING.fixed_prior_weight,
-            TUNING.slope_prior_weight,
-            TUNING.catch_up_prior_weight,
+            self.tuning.scale_prior_weight,
+            self.tuning.row_prior_weight,
+            self.tuning.fixed_prior_weight,
+            self.tuning.slope_prior_weight,
+            self.tuning.catch_up_prior_weight,
         ]
         return means, weights
 
@@ -163,11 +172,12 @@ class PassCost:
             self._warm.add(key)
             return False
         if shape.rows == 1:  # a forward of one row bounds the profile's
-            self.profile.observe(shape.T - 1, shape.context, seconds)
+            self.profile.observe(shape.T - 1, shape.context, seconds, self.tuning)
         expected = self.cost(shape)
-        seconds = counted_seconds(self._counted, key, seconds, expected)
+        bound = self.tuning.stall_bound
+        seconds = counted_seconds(self._counted, key, seconds, expected, bound)
         f = self.features(shape)
-        decay = TUNING.cost_decay
+        decay = self.tuning.cost_decay
         self._A = decayed(self._A, outer(f), decay)
         self._b = decayed(self._b, [x * seconds for x in f], decay)
         self.weight = decay * self.weight + 1

@@ -19,7 +19,7 @@ from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
 from ..models.pipeline import from_rank0
 from .cost_profile import SHORT_CONTEXT, as_cost_profile
 from .pass_cost import PassCost, PassShape
-from .policy_tuning import TUNING
+from .policy_tuning import DEFAULT_TUNING, PolicyTuning
 from .probe_schedule import ProbeSchedule, _ProbeFields
 from .verify_profile import cost_profile, head_step_cost
 
@@ -34,15 +34,20 @@ def most_drafts(num_draft_tokens) -> int:
     return num_draft_tokens
 
 
-def pass_cost_model(model, verify_costs: Optional[List[float]] = None) -> PassCost:
+def pass_cost_model(
+    model,
+    verify_costs: Optional[List[float]] = None,
+    tuning: PolicyTuning = DEFAULT_TUNING,
+) -> PassCost:
     """The pass-cost model of ``model``'s passes: over ``verify_costs`` (one
     profile, no growth with context) when given, else over the model's
     :class:`~mlx_spec.core.cost_profile.CostProfile` (measured or stored,
     corrected by the passes timed here), the MTP head's steps priced at
-    first at their measured cost."""
+    first at their measured cost; its constants: ``tuning``."""
     if verify_costs is not None:
-        return PassCost(as_cost_profile(verify_costs))
-    return PassCost(cost_profile(model), head_step_cost(model) or 0.0)
+        return PassCost(as_cost_profile(verify_costs), tuning=tuning)
+    profile = cost_profile(model, tuning)
+    return PassCost(profile, head_step_cost(model) or 0.0, tuning)
 
 
 def policies_by_source(
@@ -50,13 +55,14 @@ def policies_by_source(
     max_draft: int = MAX_AUTO_DRAFT_TOKENS,
     group=None,
     long_profile: Optional[Tuple[int, List[float]]] = None,
+    tuning: PolicyTuning = DEFAULT_TUNING,
 ) -> "SourcePolicies":
     """A :class:`DraftLengthPolicy` per draft source, all pricing passes by
     one cost model (``costs``: a :class:`PassCost`, a :class:`CostProfile`,
-    or a list of seconds with ``long_profile``); the MTP head's drafts are
-    its steps."""
+    or a list of seconds with ``long_profile`` and ``tuning``); the MTP
+    head's drafts are its steps."""
     if not isinstance(costs, PassCost):
-        costs = PassCost(as_cost_profile(costs, long_profile))
+        costs = PassCost(as_cost_profile(costs, long_profile), tuning=tuning)
     return SourcePolicies(
         lambda source: DraftLengthPolicy(
             costs, max_draft, group, steps=source == HEAD_SOURCE
@@ -85,7 +91,9 @@ class DraftLengthPolicy(_ProbeFields):
     with context. ``steps``: its drafts are steps of a drafter the pass
     waits for (the MTP head's, priced per step; a copy's cost no step).
     ``group``: the ranks of a pipeline, which time their passes differently
-    but must verify the same number of tokens: rank 0's choice is used."""
+    but must verify the same number of tokens: rank 0's choice is used.
+    ``tuning``: its constants, when ``verify_costs`` is not a model with its
+    own (a :class:`PassCost`'s or a :class:`CostProfile`'s)."""
 
     def __init__(
         self,
@@ -94,17 +102,20 @@ class DraftLengthPolicy(_ProbeFields):
         group=None,
         long_profile: Optional[Tuple[int, List[float]]] = None,
         steps: bool = False,
+        tuning: PolicyTuning = DEFAULT_TUNING,
     ):
         self.group = group
         if not isinstance(verify_costs, PassCost):
-            verify_costs = PassCost(as_cost_profile(verify_costs, long_profile))
+            profile = as_cost_profile(verify_costs, long_profile)
+            verify_costs = PassCost(profile, tuning=tuning)
         self.cost: PassCost = verify_costs
+        self.tuning = self.cost.tuning
         self.steps = steps
         self.max_draft = min(max_draft, len(self.cost.profile) - 1)
         self.accepted = [0.0] * self.max_draft  # decayed counts per position
         self.drafted = [0.0] * self.max_draft
         self._plain_weight = 0.0  # decayed count of timed passes without drafts
-        self.probes = ProbeSchedule()
+        self.probes = ProbeSchedule(self.tuning)
         self.last_choice = self.best = 0
 
     def acceptance(self) -> List[float]:
@@ -114,9 +125,10 @@ class DraftLengthPolicy(_ProbeFields):
         it (acceptance changes slowly with depth), so a deeper draft is tried
         once shallower drafts prove reliable.
         """
-        rates, prior = [], TUNING.prior_acceptance
+        t = self.tuning
+        rates, prior = [], t.prior_acceptance
         for a, d in zip(self.accepted, self.drafted):
-            prior = (a + prior * TUNING.prior_weight) / (d + TUNING.prior_weight)
+            prior = (a + prior * t.prior_weight) / (d + t.prior_weight)
             rates.append(prior)
         return rates
 
@@ -159,14 +171,15 @@ class DraftLengthPolicy(_ProbeFields):
                 self.pass_cost(1, context, catch_up), self.pass_cost(0, context)
             )
         best = self.probes.apply(best, limit)
-        if 0 < self.best < limit and self.drafted[best] < TUNING.depth_evidence:
+        t = self.tuning
+        if 0 < self.best < limit and self.drafted[best] < t.depth_evidence:
             # A depth probe: the next position is barely tested (its estimate
             # may be stale), likely reached, and one more draft looks nearly
             # as good.
             reach = math.prod(self.acceptance()[:best])
-            near = speeds[best + 1] >= (1 - TUNING.depth_margin) * speeds[best]
-            best += reach >= TUNING.depth_reach and near
-        if best and self.cost.weight and self._plain_weight < TUNING.plain_probe_weight:
+            near = speeds[best + 1] >= (1 - t.depth_margin) * speeds[best]
+            best += reach >= t.depth_reach and near
+        if best and self.cost.weight and self._plain_weight < t.plain_probe_weight:
             best, self.probes.probing = 0, False  # a cost probe: a plain pass now
         if self.group is not None:
             best = from_rank0(self.group, best)
@@ -187,8 +200,8 @@ class DraftLengthPolicy(_ProbeFields):
         if self.probes.probing:
             self.probes.probed(n_accepted > 0, self.drafted[0])
         for i in range(self.max_draft):
-            self.accepted[i] *= TUNING.acceptance_decay
-            self.drafted[i] *= TUNING.acceptance_decay
+            self.accepted[i] *= self.tuning.acceptance_decay
+            self.drafted[i] *= self.tuning.acceptance_decay
         # Position i was tested only if drafts 0..i-1 were all accepted.
         for i in range(min(n_accepted + 1, n_drafted, self.max_draft)):
             self.drafted[i] += 1
@@ -202,9 +215,9 @@ class DraftLengthPolicy(_ProbeFields):
         if trials <= 0:
             return
         self.probes.restart()
-        decay = TUNING.acceptance_decay**trials
+        decay = self.tuning.acceptance_decay**trials
         # the sum of the trials' decayed weights
-        weight = (1 - decay) / (1 - TUNING.acceptance_decay)
+        weight = (1 - decay) / (1 - self.tuning.acceptance_decay)
         self.accepted[0] = self.accepted[0] * decay + weight * hits / trials
         self.drafted[0] = self.drafted[0] * decay + weight
 
@@ -224,7 +237,8 @@ class DraftLengthPolicy(_ProbeFields):
             return  # a warm-up pass
         if n_drafted and self.best == 0:  # what this probe took
             self.probes.space(seconds, self.pass_cost(0, context))
-        self._plain_weight = TUNING.cost_decay * self._plain_weight + (n_drafted == 0)
+        plain = 1.0 if n_drafted == 0 else 0.0
+        self._plain_weight = self.tuning.cost_decay * self._plain_weight + plain
 
 
 class SourcePolicies:

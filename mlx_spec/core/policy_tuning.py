@@ -1,15 +1,17 @@
 """Every tuning constant of ``--num-draft-tokens auto``, with why it is what it is.
 
-One mutable instance, :data:`TUNING`, is read by the policies at each use, so
-an experiment (``scripts/bench_switch.py``) switches a mechanism off by
-setting a field, not by patching module globals. Evidence for each mechanism
-(an A/B where there is one) is in ``docs/auto_policy.md``.
+A :class:`PolicyTuning` is a value: a decoding session is given one (the
+default, :data:`DEFAULT_TUNING`, unless an experiment such as
+``scripts/bench_switch.py`` builds a variant with ``dataclasses.replace``),
+and passes it to everything that prices passes and chooses draft lengths.
+Evidence for each mechanism (an A/B where there is one) is in
+``docs/auto_policy.md``.
 """
 
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(frozen=True)
 class PolicyTuning:
     # -- acceptance per draft position (one sequence's policy) --
     # Acceptance before any evidence: low enough that a first draft is tried
@@ -87,4 +89,4 @@ class PolicyTuning:
     long_profile: bool = True
 
 
-TUNING = PolicyTuning()
+DEFAULT_TUNING = PolicyTuning()

@@ -13,7 +13,7 @@ draft lengths (:mod:`.batch_policy`) keep one per policy. Constants:
 
 import math
 
-from .policy_tuning import TUNING
+from .policy_tuning import PolicyTuning
 
 
 class ProbeSchedule:
@@ -21,15 +21,16 @@ class ProbeSchedule:
     token anyway (a probe), so a workload that turns predictable is noticed.
 
     A probe comes after ``every`` plain passes. A rejected one doubles the
-    wait (up to ``TUNING.max_probe_every``: a probe of the MTP head costs its
+    wait (up to ``tuning.max_probe_every``: a probe of the MTP head costs its
     catch-up over every deferred row); an accepted one is followed by another
     at once while the first position has little evidence, and the wait never
-    lets probes cost more than ``TUNING.probe_budget`` of the plain passes
+    lets probes cost more than ``tuning.probe_budget`` of the plain passes
     between them (:meth:`space`). A first draft judged without a verify pass
     counts as a probe (:meth:`restart`)."""
 
-    def __init__(self):
-        self.every = TUNING.probe_every  # plain passes before the next probe
+    def __init__(self, tuning: PolicyTuning):
+        self.tuning = tuning
+        self.every = tuning.probe_every  # plain passes before the next probe
         self.waited = 0  # plain passes since the last probe
         self.probing = False  # the last choice was a probe
 
@@ -57,21 +58,21 @@ class ProbeSchedule:
         decayed trials before it."""
         self.probing = False
         if accepted:
-            streak = evidence + 1 < TUNING.probe_streak_evidence
-            self.every = 1 if streak else TUNING.probe_every
+            streak = evidence + 1 < self.tuning.probe_streak_evidence
+            self.every = 1 if streak else self.tuning.probe_every
         else:
-            longer = max(2 * self.every, TUNING.probe_every)
-            self.every = min(longer, TUNING.max_probe_every)
+            longer = max(2 * self.every, self.tuning.probe_every)
+            self.every = min(longer, self.tuning.max_probe_every)
 
     def space(self, probe_seconds: float, plain_seconds: float):
         """A probe (not one of a streak) takes ``probe_seconds``: wait long
         enough before the next for probes to cost at most
-        ``TUNING.probe_budget`` of the plain passes between them."""
+        ``tuning.probe_budget`` of the plain passes between them."""
         if self.every <= 1:
             return
         extra = probe_seconds - plain_seconds
-        wait = math.ceil(extra / (TUNING.probe_budget * plain_seconds))
-        self.every = min(max(self.every, wait), TUNING.max_probe_every)
+        wait = math.ceil(extra / (self.tuning.probe_budget * plain_seconds))
+        self.every = min(max(self.every, wait), self.tuning.max_probe_every)
 
 
 class _ProbeFields:

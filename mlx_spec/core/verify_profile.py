@@ -24,7 +24,7 @@ from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
 from ..cache_dir import cache_dir
 from ..models.identity import model_fingerprint
 from .cost_profile import SHORT_CONTEXT, CostProfile
-from .policy_tuning import TUNING
+from .policy_tuning import DEFAULT_TUNING, PolicyTuning
 
 # Context lengths (tokens before a pass) the long verify costs are measured
 # at: far enough from SHORT_CONTEXT for the growth with context to stand out
@@ -107,32 +107,35 @@ def _measure_head_step(head, repeats: int) -> float:
     return min(times[1:])
 
 
-def long_context(model) -> int:
+def long_context(model, tuning: PolicyTuning = DEFAULT_TUNING) -> int:
     """The long profile's context: ``LONG_CONTEXT`` tokens where a scratch
     cache of that length is written without running the model over it (see
     :func:`_scratch_cache`), else ``PREFILLED_LONG_CONTEXT`` (a prefill of
     8k tokens would make a first run wait long on a CPU). At 1,056 tokens the
     growth with context was lost in the noise of a busy machine: a 4-token
     pass after 16k tokens was priced at 30 ms and took 46 (demo model, CPU)."""
-    direct = TUNING.long_profile and _written_directly(make_prompt_cache(model))
+    direct = tuning.long_profile and _written_directly(make_prompt_cache(model))
     return LONG_CONTEXT if direct else PREFILLED_LONG_CONTEXT
 
 
-def verify_cost_profiles(model) -> Tuple[List[float], Tuple[int, List[float]]]:
+def verify_cost_profiles(
+    model, tuning: PolicyTuning = DEFAULT_TUNING
+) -> Tuple[List[float], Tuple[int, List[float]]]:
     """The profile after ``SHORT_CONTEXT`` tokens, and the long context's
     length with its profile (measured or cached)."""
-    long = long_context(model)
+    long = long_context(model, tuning)
     return verify_cost_profile(model), (long, verify_cost_profile(model, context=long))
 
 
-def cost_profile(model) -> CostProfile:
-    """``model``'s :class:`CostProfile`, one per process: the short and long
-    profiles (measured or stored), corrected in place by the passes ``auto``
-    times and then written back to disk."""
-    long = long_context(model)
+def cost_profile(model, tuning: PolicyTuning = DEFAULT_TUNING) -> CostProfile:
+    """``model``'s :class:`CostProfile`, one per process (and long context,
+    which ``tuning`` chooses): the short and long profiles (measured or
+    stored), corrected in place by the passes ``auto`` times and then written
+    back to disk."""
+    long = long_context(model, tuning)
     key = ("cost profile", id(model), long)
     if key not in _profiles:
-        verify_cost_profiles(model)
+        verify_cost_profiles(model, tuning)
         short, long_costs = (
             _profiles[(id(model), SHORT_CONTEXT)],
             _profiles[(id(model), long)],

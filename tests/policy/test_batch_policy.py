@@ -10,7 +10,9 @@ from mlx_spec.core.batch import BatchDecoder
 from mlx_spec.core.batch_policy import PassLength, head_catch_up
 from mlx_spec.core.cost_profile import as_cost_profile
 from mlx_spec.core.pass_cost import PassCost, PassShape
-from mlx_spec.core.policy_tuning import TUNING
+from dataclasses import replace
+
+from mlx_spec.core.policy_tuning import DEFAULT_TUNING as TUNING
 from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
@@ -20,8 +22,8 @@ from mlx_spec.testing.reference import fed_decoder, prompts
 PROFILE = [0.005 + 0.001 * T for T in range(1, 10)]
 
 
-def _length() -> PassLength:
-    return PassLength(PassCost(as_cost_profile(PROFILE)))
+def _length(tuning=TUNING) -> PassLength:
+    return PassLength(PassCost(as_cost_profile(PROFILE), tuning=tuning))
 
 
 def _shape(rows, T, head_steps=0, catch_up=0) -> PassShape:
@@ -173,15 +175,14 @@ def test_a_head_draft_pays_for_the_catch_up_it_runs():
 
 
 @pytest.mark.parametrize("bound", [TUNING.stall_bound, math.inf])
-def test_two_stalled_passes_do_not_reshape_the_cost(monkeypatch, bound):
+def test_two_stalled_passes_do_not_reshape_the_cost(bound):
     """Four rows at T = 1..3 costing 4 ms + 2 ms per position, then two
     one-token passes the machine stalled on (90, 85 ms). Counted at most
     STALL_BOUND times the expected cost, the cost still grows with T and
     rows at 0.55 acceptance draft little; counted in full (the control),
     a one-token pass is priced at more than twice what such passes take.
     A lasting doubling of every pass is followed all the same."""
-    monkeypatch.setattr(TUNING, "stall_bound", bound)
-    length = _length()
+    length = _length(replace(TUNING, stall_bound=bound))
     for i in range(100):
         _observe(length, 4, 1 + i % 3, 0.004 + 0.008 * (1 + i % 3))
     _observe(length, 4, 1, 0.09)

@@ -13,7 +13,9 @@ import pytest
 import mlx_spec.core.verify_profile as verify_profile
 from mlx_spec.core.cost_profile import CostProfile
 from mlx_spec.core.policy import policies_by_source
-from mlx_spec.core.policy_tuning import TUNING
+from dataclasses import replace
+
+from mlx_spec.core.policy_tuning import DEFAULT_TUNING as TUNING
 from mlx_spec.cache_dir import CACHE_DIR_ENV
 
 # A quiet machine's verify forward over T = 1..9 tokens (T = 9 at 2.7x), and
@@ -24,12 +26,12 @@ HOST = 0.3e-3  # what a pass takes beyond its forward
 PASSES, SETTLED = 300, 200  # recovered within SETTLED passes
 
 
-def drafted_per_pass(profile, passes=PASSES, acceptance=0.75, seed=0):
+def drafted_per_pass(profile, passes=PASSES, acceptance=0.75, seed=0, tuning=TUNING):
     """Drafts per pass of ``auto`` on a workload accepting each draft with
     probability ``acceptance``, every pass timed as the quiet machine runs
     it; one entry per pass."""
     rng = random.Random(seed)
-    policies = policies_by_source(profile)
+    policies = policies_by_source(profile, tuning=tuning)
     drafts = []
     for _ in range(passes):
         k = policies.choose(8, 32)
@@ -57,13 +59,13 @@ def test_auto_recovers_its_drafting_from_a_busy_profile():
     assert written and written[-1] == busy.short
 
 
-def test_without_healing_a_busy_profile_keeps_auto_from_drafting(monkeypatch):
+def test_without_healing_a_busy_profile_keeps_auto_from_drafting():
     """The control: the same passes, the profile never corrected."""
-    monkeypatch.setattr(TUNING, "heal_window", 0)
-    quiet = settled(drafted_per_pass(CostProfile(list(QUIET))))
+    never = replace(TUNING, heal_window=0)
+    quiet = settled(drafted_per_pass(CostProfile(list(QUIET)), tuning=never))
     written = []
     busy = CostProfile(list(BUSY), store=lambda short, long: written.append(short))
-    assert settled(drafted_per_pass(busy)) < 0.5 * quiet
+    assert settled(drafted_per_pass(busy, tuning=never)) < 0.5 * quiet
     assert busy.short == BUSY and not written
 
 
@@ -152,7 +154,7 @@ class PassClock:
         monkeypatch.setattr(engine.BatchDecoder, "commit", timed_commit)
 
 
-def generate_on_a_busy_profile(models, monkeypatch, tmp_path, runs=2):
+def generate_on_a_busy_profile(models, monkeypatch, tmp_path, tuning, runs=2):
     """Generations with ``auto`` on a model whose profile was measured on a
     busy machine (injected), every pass timed by a clock on which it takes 4 ms (a
     plain pass far under the profile's 20), a drafter accepted 0.6 of the
@@ -184,6 +186,7 @@ def generate_on_a_busy_profile(models, monkeypatch, tmp_path, runs=2):
                 OracleDrafter(sequence, error=0.4, seed=run),
                 num_draft_tokens="auto",
                 max_tokens=80,
+                tuning=tuning,
             )
         )
         assert [t for t, _, _ in steps] == sequence[len(prompt) :]
@@ -200,11 +203,11 @@ def test_the_decode_loop_heals_a_busy_profile(models, monkeypatch, tmp_path):
     control, healing off: the profile stays and ``auto`` hardly drafts.
     (The pass-cost fit's scale is pinned to the profile in both: within a
     generation it would learn cheaper forwards too, but not keep them.)"""
-    monkeypatch.setattr(TUNING, "scale_prior_weight", 1e6)
+    pinned = replace(TUNING, scale_prior_weight=1e6)
+    never = replace(pinned, heal_window=0)
     with monkeypatch.context() as m:
-        m.setattr(TUNING, "heal_window", 0)
-        kept, control = generate_on_a_busy_profile(models, m, tmp_path / "off")
+        kept, control = generate_on_a_busy_profile(models, m, tmp_path / "off", never)
     assert kept == BUSY
-    healed, accepted = generate_on_a_busy_profile(models, monkeypatch, tmp_path)
+    healed, accepted = generate_on_a_busy_profile(models, monkeypatch, tmp_path, pinned)
     assert healed[0] < 0.5 * BUSY[0] and all(h < b for h, b in zip(healed, BUSY))
     assert min(accepted) >= 3 * max(control) + 10, (accepted, control)

@@ -8,7 +8,9 @@ import pytest
 
 import mlx_spec
 import mlx_spec.core.policy as policy
-from mlx_spec.core.policy_tuning import TUNING
+from dataclasses import replace
+
+from mlx_spec.core.policy_tuning import DEFAULT_TUNING as TUNING
 import mlx_spec.core.verify_profile as verify_profile
 from mlx_spec.core.policy import DraftLengthPolicy, SourcePolicies
 from mlx_spec.drafters.base import MAX_AUTO_DRAFT_TOKENS
@@ -210,13 +212,13 @@ def test_what_passes_really_take_enters_the_choice():
 
 
 @pytest.mark.parametrize("bound", [TUNING.stall_bound, math.inf])
-def test_a_few_stalled_passes_do_not_price_the_rest(monkeypatch, bound):
+def test_a_few_stalled_passes_do_not_price_the_rest(bound):
     """Passes of 20 ms (8 ms beyond the profile), two early ones stalled
     (90, 85 ms): counted at most STALL_BOUND times what the fit expected, the
     extra stays under 18 ms, where a draft at ~0.5 acceptance (a 2-token
     verify: 2.5x) never pays. In full (the control) it drafts for a while."""
-    monkeypatch.setattr(TUNING, "stall_bound", bound)
-    p = DraftLengthPolicy([12e-3 + 18e-3 * t for t in range(9)])
+    tuning = replace(TUNING, stall_bound=bound)
+    p = DraftLengthPolicy([12e-3 + 18e-3 * t for t in range(9)], tuning=tuning)
     for _ in range(20):
         p.update(1, 1)
         p.update(1, 0)

@@ -1,7 +1,9 @@
 """Depth probes of ``auto``: a deeper draft position whose old evidence is
 poor is tested again while one more draft looks nearly as good."""
 
-from mlx_spec.core.policy_tuning import TUNING
+from dataclasses import replace
+
+from mlx_spec.core.policy_tuning import DEFAULT_TUNING
 from mlx_spec.core.policy import DraftLengthPolicy
 
 
@@ -20,7 +22,7 @@ def _passes_with_a_second_position(policy, second_accepted: bool, passes: int):
     return choices
 
 
-def test_a_second_draft_that_became_reliable_is_found(monkeypatch):
+def test_a_second_draft_that_became_reliable_is_found():
     """The second position's early evidence says no; its estimate then only
     drifts back towards the first position's (0.75), at which one draft
     looks best (1.75 tokens per 1.6 against 2.31 per 2.2). Depth probes test
@@ -29,8 +31,9 @@ def test_a_second_draft_that_became_reliable_is_found(monkeypatch):
     costs = [1 + 0.6 * t for t in range(9)]
     choices = _passes_with_a_second_position(DraftLengthPolicy(costs), True, 200)
     assert sum(k >= 2 for k in choices[-50:]) >= 40
-    monkeypatch.setattr(TUNING, "depth_evidence", 0.0)  # no depth probes
-    choices = _passes_with_a_second_position(DraftLengthPolicy(costs), True, 200)
+    shallow = replace(DEFAULT_TUNING, depth_evidence=0.0)  # no depth probes
+    policy = DraftLengthPolicy(costs, tuning=shallow)
+    choices = _passes_with_a_second_position(policy, True, 200)
     assert max(choices[-150:]) == 1
 
 
