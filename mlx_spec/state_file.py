@@ -291,6 +291,46 @@ def _check_layout(state: DecoderState):
             raise ValueError("its deferred rows do not fit together")
 
 
+def _read_open(f: BinaryIO) -> Tuple[DecoderState, Dict[str, str]]:
+    """:func:`read_state` of the opened file ``f``, every array evaluated
+    while it is open. MLX reads it by the descriptor's path (``/dev/fd/N``,
+    the open file itself, whatever its name is now), not through a Python
+    file object: its reader thread then holds no Python object, which it
+    could release after the interpreter has begun to exit (an abort)."""
+    arrays, raw = mx.load(
+        f"/dev/fd/{f.fileno()}", format="safetensors", return_metadata=True
+    )
+    fields = _fields(raw)
+    caches, classes = _caches(arrays, raw)
+    n = _count(fields, "n_target", len(caches) - 3)
+    if len(caches) != n + 3:
+        raise ValueError("its layout does not match its metadata")
+    pending = _count(fields, "pending", 1)
+    n_deferred = _count(fields, "n_deferred", MAX_DEFERRED)
+    history, last_hidden = (caches[n].cache + [None])[:2]
+    if history is None or history.ndim != 1 or history.dtype != mx.uint32:
+        raise ValueError("it holds no token history")
+    rows = [a for a in caches[n + 2].cache if a is not None]
+    if len(rows) != 2 * n_deferred or len(caches[n].cache) != 2:
+        raise ValueError("its layout does not match its metadata")
+    if "crc32" not in fields or not isinstance(fields.get("drafter"), str):
+        raise ValueError("its metadata has no checksum or drafter")
+    state = DecoderState(
+        history.tolist(),
+        last_hidden,
+        caches[:n],
+        fields["drafter"],
+        [a for a in caches[n + 1].cache if a is not None],
+        pending,
+        list(zip(rows[0::2], rows[1::2])),
+    )
+    mx.eval(list(_state_arrays(state)))
+    if state_crc(state, fields, classes) != fields["crc32"]:
+        raise ValueError("its contents do not match their checksum")
+    _check_layout(state)
+    return state, fields
+
+
 def read_state(path) -> Tuple[DecoderState, Dict[str, str]]:
     """The state and metadata of a file written by :func:`write_state`, its
     arrays evaluated. ``path`` must be a regular file, not a link (resolve a
@@ -300,35 +340,7 @@ def read_state(path) -> Tuple[DecoderState, Dict[str, str]]:
     path = Path(path)
     try:
         with open_regular(path) as f:
-            arrays, raw = mx.load(f, format="safetensors", return_metadata=True)
-        fields = _fields(raw)
-        caches, classes = _caches(arrays, raw)
-        n = _count(fields, "n_target", len(caches) - 3)
-        if len(caches) != n + 3:
-            raise ValueError("its layout does not match its metadata")
-        pending = _count(fields, "pending", 1)
-        n_deferred = _count(fields, "n_deferred", MAX_DEFERRED)
-        history, last_hidden = (caches[n].cache + [None])[:2]
-        if history is None or history.ndim != 1 or history.dtype != mx.uint32:
-            raise ValueError("it holds no token history")
-        rows = [a for a in caches[n + 2].cache if a is not None]
-        if len(rows) != 2 * n_deferred or len(caches[n].cache) != 2:
-            raise ValueError("its layout does not match its metadata")
-        if "crc32" not in fields or not isinstance(fields.get("drafter"), str):
-            raise ValueError("its metadata has no checksum or drafter")
-        state = DecoderState(
-            history.tolist(),
-            last_hidden,
-            caches[:n],
-            fields["drafter"],
-            [a for a in caches[n + 1].cache if a is not None],
-            pending,
-            list(zip(rows[0::2], rows[1::2])),
-        )
-        mx.eval(list(_state_arrays(state)))
-        if state_crc(state, fields, classes) != fields["crc32"]:
-            raise ValueError("its contents do not match their checksum")
-        _check_layout(state)
+            state, fields = _read_open(f)
     except FileNotFoundError:
         raise
     except Exception as e:  # whatever the bytes are, the file is unreadable
