@@ -14,8 +14,8 @@ from .core.policy_tuning import DEFAULT_TUNING, PolicyTuning
 from .core.verify_profile import head_step_cost, verify_cost_profiles
 from .core.state import ROLLBACK_STRATEGIES
 from .core.stats import SpecStats
-from .drafters import DRAFTS, default_draft, make_drafter
-from .drafters.base import MAX_DRAFT_TOKENS, MAX_MTP_DRAFT_TOKENS, is_drafter
+from .drafters import default_draft, draft_names, make_drafter, max_draft_of
+from .drafters.base import MAX_DRAFT_TOKENS, is_drafter
 from .mlx_lm_compat import (
     GenerationResponse,
     TokenizerWrapper,
@@ -96,9 +96,9 @@ def check_options(max_tokens, draft, num_draft_tokens, rollback="store"):
         )
     if not isinstance(max_tokens, int) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if not (draft in DRAFTS if isinstance(draft, str) else is_drafter(draft)):
+    if not (draft in draft_names() if isinstance(draft, str) else is_drafter(draft)):
         raise ValueError(
-            f"unknown draft {draft!r}; choose one of {', '.join(DRAFTS)} "
+            f"unknown draft {draft!r}; choose one of {', '.join(draft_names())} "
             "or pass an object with reset/draft/accept methods"
         )
     if num_draft_tokens != "auto" and (
@@ -109,12 +109,11 @@ def check_options(max_tokens, draft, num_draft_tokens, rollback="store"):
             f"num_draft_tokens must be 'auto' or an integer in 0..{MAX_DRAFT_TOKENS}, "
             f"got {num_draft_tokens!r}"
         )
-    if draft in ("mtp", "mtp+ngram") and isinstance(num_draft_tokens, int):
-        if num_draft_tokens > MAX_MTP_DRAFT_TOKENS:
-            raise ValueError(
-                f"draft {draft!r} drafts 1..{MAX_MTP_DRAFT_TOKENS} tokens per pass (its "
-                f"one MTP layer is reused per step), got {num_draft_tokens}"
-            )
+    most = max_draft_of(draft) if isinstance(draft, str) else MAX_DRAFT_TOKENS
+    if isinstance(num_draft_tokens, int) and num_draft_tokens > most:
+        raise ValueError(
+            f"draft {draft!r} drafts 1..{most} tokens per pass, got {num_draft_tokens}"
+        )
 
 
 def stream_generate(

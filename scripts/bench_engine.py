@@ -33,7 +33,7 @@ import mlx_spec
 from bench_helpers import concurrent_clients, interleaved
 from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.demo import default_model_path
-from mlx_spec.drafters import DRAFTS
+from mlx_spec.drafters import draft_names
 from mlx_spec.server.engine import Engine
 from mlx_spec.server.events import Finished, GenerationParams, Job
 
@@ -116,8 +116,8 @@ def main():
         if value < 1:
             p.error(f"--{name} must be at least 1, got {value}")
     for draft in args.drafts:
-        if draft not in DRAFTS:
-            p.error(f"unknown draft {draft!r}: one of {', '.join(DRAFTS)}")
+        if draft not in draft_names():
+            p.error(f"unknown draft {draft!r}: one of {', '.join(draft_names())}")
     model, tok = mlx_spec.load(args.model)
     workloads = {w["name"]: w["prompt"] for w in load_workloads(tokenizer=tok)}
     unknown = [name for name in args.workloads if name not in workloads]

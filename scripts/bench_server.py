@@ -40,7 +40,7 @@ import mlx_spec
 from bench_helpers import concurrent_clients, interleaved, median_run
 from mlx_spec.commands.bench import load_workloads, machine_info
 from mlx_spec.demo import default_model_path
-from mlx_spec.drafters import DRAFTS
+from mlx_spec.drafters import draft_names
 from mlx_spec.testing.server import free_port, mlx_spec_server, running_server
 
 
@@ -240,7 +240,7 @@ def main():
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     known = ["mlx_spec", "mlx_spec-serial", "mlx_lm"] + [
-        f"mlx_spec/{d}" for d in DRAFTS
+        f"mlx_spec/{d}" for d in draft_names()
     ]
     for name in args.servers:
         if name not in known:

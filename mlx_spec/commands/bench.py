@@ -42,7 +42,7 @@ import mlx.core as mx
 
 from ..core.verify_profile import verify_cost_profile
 from ..core.stats import SpecStats
-from ..drafters import DRAFTS
+from ..drafters import NO_DRAFTER, draft_names
 from ..generate import stream_generate
 from ..mlx_lm_compat import plain_stream_generate
 from .bench_report import format_table, lossless_report, plot
@@ -300,7 +300,7 @@ def setup_parser():
         "--draft",
         nargs="+",
         default=["ngram", "mtp"],
-        choices=[d for d in DRAFTS if d != "none"],
+        choices=[d for d in draft_names() if d != NO_DRAFTER],
     )
     p.add_argument(
         "--num-draft-tokens",

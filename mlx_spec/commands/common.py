@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..core.sampling import make_sampler, xtc_special_tokens
 from ..core.state import ROLLBACK_STRATEGIES
-from ..drafters import DRAFTS
+from ..drafters import draft_names
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..mlx_lm_compat import PENALTIES, make_logits_processors
 from ..models.pipeline import shared_seed
@@ -35,7 +35,7 @@ def add_draft_options(parser: argparse.ArgumentParser):
     the parser has), ``--mtp-path``, ``--max-ngram``, ``--rollback``."""
     parser.add_argument(
         "--draft",
-        choices=DRAFTS,
+        choices=draft_names(),
         default=None,
         help="Drafter: 'mtp' the model's own multi-token-prediction head, "
         "'ngram' a lookup of the context for a continuation, 'mtp+ngram' both, "

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..drafters.contract import HeadBased
+from ..drafters.contract import DraftSite, HeadBased, Proposal
 from ..drafters.mtp import MTPDrafter
 from ..drafters.mtp_rows import PENDING_ROWS
 from .ragged_cache import RaggedKVCache
@@ -110,16 +110,16 @@ class MTPBatch:
         needed = [
             b
             for b, m in enumerate(self.members)
-            if m.pending_rows
-            and (any(m is x for x in mtps) or m.pending_rows >= DEFERRED_ROWS)
+            if m.rows.pending_rows
+            and (any(m is x for x in mtps) or m.rows.pending_rows >= DEFERRED_ROWS)
         ]
         if not needed:
             return 0
-        L = max(self.members[b].pending_rows for b in needed)
+        L = max(self.members[b].rows.pending_rows for b in needed)
         wanted = {
             b: m.rows.take_pending()
             for b, m in enumerate(self.members)
-            if 0 < m.pending_rows <= L
+            if 0 < m.rows.pending_rows <= L
         }
         lengths = {b: t.size for b, (t, _) in wanted.items()}
         hm = self._rows(wanted, max(lengths.values()))  # [B, L, H]
@@ -182,7 +182,8 @@ class MTPBatch:
         q = {b: mx.stack(p) for b, p in probs.items() if p}  # sampled rows
         mx.async_eval(tokens, logits, q)  # started now; the verify pass waits
         for b, k in wants.items():
-            self.members[b].offer(k, tokens[b][:k], logits[b, :k], q.get(b))
+            proposal = Proposal(tokens[b][:k], q.get(b), DraftSite.DEVICE)
+            self.members[b].offer(k, proposal, logits[b, :k])
 
     def _choose(self, logits, ids, step, wants, choosing, probs) -> mx.array:
         """``ids`` [B] with each choosing row's token (its drafter's

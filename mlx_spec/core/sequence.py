@@ -10,14 +10,13 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 
+from ..drafters import contract
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS, as_drafter
-from ..drafters.contract import SelfJudging
+from ..drafters.contract import NO_PROPOSAL, Drafter, Proposal
 from ..mlx_lm_compat import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 from .state import SpeculativeCache
 from .stats import SpecStats
 from .target import Target
-
-NO_DRAFT = mx.array([], mx.uint32)  # [0]: a pass that drafts nothing
 
 
 class SpeculativeDecoder:
@@ -46,7 +45,7 @@ class SpeculativeDecoder:
         stats: Optional[SpecStats] = None,
     ):
         self.model, self.max_draft = model, max_draft
-        self.drafter = as_drafter(drafter)
+        self.drafter: Optional[Drafter] = as_drafter(drafter)
         self.cache = SpeculativeCache(model, max_draft, rollback, caches=prompt_cache)
         self.target = Target(model, self.cache)
         self.prefill_step_size = prefill_step_size
@@ -104,7 +103,8 @@ class SpeculativeDecoder:
         hidden = [h for _, parts in self._held for h in parts] or None
         if hidden:
             rows = sum(h.shape[0] for h in hidden)
-            hidden = _blank_first(hidden, rows - self.drafter.rows_read(rows))
+            read = contract.rows_read(self.drafter, rows)
+            hidden = _blank_first(hidden, rows - read)
         self._held = []
         if len(tokens) == len(self.history):
             self.drafter.reset(tokens, hidden)
@@ -128,16 +128,14 @@ class SpeculativeDecoder:
     def draft_source(self, k: int, look: bool = True):
         """Which of the drafter's sources would draft ``k`` tokens next
         (None: a one-source drafter); see ``contract.SelfJudging``."""
-        if not isinstance(self.drafter, SelfJudging):
-            return None
-        return self.drafter.draft_source(k, look)
+        return contract.draft_source(self.drafter, k, look)
 
-    def next_draft(self, k: int) -> mx.array:
-        """Up to ``k`` drafts for the next pass: [m] uint32, lazy where the
-        drafter drafts on the device (no host synchronisation)."""
+    def next_draft(self, k: int) -> Proposal:
+        """Up to ``k`` drafts for the next pass (lazy where the drafter
+        drafts on the device: no host synchronisation)."""
         if self.drafter is None or k == 0:
-            return NO_DRAFT
-        return self.drafter.draft_tokens(k)
+            return NO_PROPOSAL
+        return self.drafter.propose(k)
 
     def advance(self, drafted: int, n: int, tokens: List[int], kept: int, hidden):
         """The bookkeeping of a pass whose caches kept ``kept`` inputs and

@@ -18,7 +18,7 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..drafters import make_drafter
+from ..drafters import contract, make_drafter
 from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
 from ..models.mtp.head import text_args
 from .state import GDNSlotCache
@@ -89,10 +89,10 @@ def capture(decoder, copy_caches: bool = False, flush: bool = True) -> DecoderSt
             f"{len(decoder.pending)} tokens are pending; at most one can be kept"
         )
     drafter = decoder.drafter
-    deferred = [] if drafter is None or flush else drafter.take_deferred()
-    arrays = [] if drafter is None else list(drafter.state)
+    deferred = [] if drafter is None or flush else contract.take_deferred(drafter)
+    arrays = [] if drafter is None else contract.saved_arrays(drafter)
     if deferred:
-        drafter.put_deferred(deferred)  # the decoder may go on
+        contract.put_deferred(drafter, deferred)  # the decoder may go on
     caches = list(decoder.cache.caches)
     mx.eval([c.state for c in caches], arrays, deferred)
     if copy_caches:
@@ -201,7 +201,7 @@ def check_fits(model, drafter, state: DecoderState):
     if hidden is not None and tuple(hidden.shape) != (1, args.hidden_size):
         raise ValueError(f"state holds a hidden state of shape {hidden.shape}")
     if drafter is not None:
-        drafter.check_state(state.drafter_arrays, state.drafter_deferred)
+        contract.check_state(drafter, state.drafter_arrays, state.drafter_deferred)
     elif state.drafter_arrays or state.drafter_deferred:
         raise ValueError("state holds a drafter's arrays, but no drafter")
 
@@ -227,5 +227,5 @@ def restore(decoder, state: DecoderState, copy_caches: bool = False):
     decoder.processed = len(decoder.history) - state.pending
     decoder.last_hidden = state.last_hidden
     if decoder.drafter is not None:
-        decoder.drafter.restore(decoder.history, state.drafter_arrays)
-        decoder.drafter.put_deferred(state.drafter_deferred)
+        contract.restore(decoder.drafter, decoder.history, state.drafter_arrays)
+        contract.put_deferred(decoder.drafter, state.drafter_deferred)

@@ -30,15 +30,21 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .base import Drafter, as_list, host_draft
+from .contract import HEAD_SOURCE, Proposal, host_proposal
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
 
 DECAY = 0.8  # weight of older disagreements in the adaptive score
 
 
-class MTPNgramDrafter(Drafter):
-    """Chooses per step between an n-gram draft and an MTP draft."""
+COPY_SOURCE = "ngram"  # the source name of its copies
+
+
+class MTPNgramDrafter:
+    """Chooses per step between an n-gram draft and an MTP draft.
+
+    Contracts (:mod:`.contract`): those of :class:`~.mtp.MTPDrafter`, its
+    head's drafts named ``HEAD_SOURCE`` and its copies ``COPY_SOURCE``."""
 
     name = "mtp+ngram"
     needs_hidden = True
@@ -48,25 +54,14 @@ class MTPNgramDrafter(Drafter):
         self.mtp = MTPDrafter(head)
         self.ngram = NgramDrafter(max_ngram=max_ngram)
         self.last_draft_source: Optional[str] = None
-        self.steps = {"mtp": 0, "ngram": 0}
-        self.score = {"mtp": 0.0, "ngram": 0.0}
+        self.steps = {HEAD_SOURCE: 0, COPY_SOURCE: 0}
+        self.score = {HEAD_SOURCE: 0.0, COPY_SOURCE: 0.0}
         self._divergence = None  # (copy[0], head's d_1) where they differ
 
     def set_sampling(self, choose):
         """Sample MTP drafts with ``choose`` (None: the head's argmax); copies
         stay deterministic."""
         self.mtp.set_sampling(choose)
-
-    @property
-    def draft_probs(self) -> Optional[mx.array]:
-        """q [m, V] of the last draft when the head sampled it; None for a
-        deterministic draft (a copy, or the head's argmax)."""
-        return self.mtp.draft_probs if self.last_draft_source == "mtp" else None
-
-    @property
-    def drafted_on_device(self) -> bool:
-        """Whether the last draft was the head's (lazy, on the device)."""
-        return self.last_draft_source == "mtp"
 
     @property
     def head_drafter(self) -> MTPDrafter:
@@ -84,7 +79,7 @@ class MTPNgramDrafter(Drafter):
         self.mtp.reset(prompt_tokens, hidden)
         self.ngram.reset(prompt_tokens)
         self.last_draft_source = None
-        self.score = {"mtp": 0.0, "ngram": 0.0}
+        self.score = {HEAD_SOURCE: 0.0, COPY_SOURCE: 0.0}
         self._divergence = None
 
     def catch_up(self):
@@ -96,15 +91,14 @@ class MTPNgramDrafter(Drafter):
     def hindsight(self):
         judged = self.mtp.hindsight()
         copies = self.ngram.hindsight().get(None)
-        return {**judged, "ngram": copies} if copies else judged
+        return {**judged, COPY_SOURCE: copies} if copies else judged
 
     def set_source_paying(self, source: str, paying: bool):
-        if source == "mtp":
+        if source == HEAD_SOURCE:
             self.head_pays = paying
 
-    @property
-    def state(self) -> List[mx.array]:
-        return self.mtp.state  # the n-gram index follows the history
+    def saved_arrays(self) -> List[mx.array]:
+        return self.mtp.saved_arrays()  # the n-gram index follows the history
 
     def take_deferred(self) -> list:
         return self.mtp.take_deferred()
@@ -117,8 +111,8 @@ class MTPNgramDrafter(Drafter):
 
     def restore(self, history: Sequence[int], arrays: Sequence[mx.array]):
         self.mtp.restore(history, arrays)
-        self.ngram.restore(history)
-        self.score = {"mtp": 0.0, "ngram": 0.0}
+        self.ngram.reset(history)
+        self.score = {HEAD_SOURCE: 0.0, COPY_SOURCE: 0.0}
         self._divergence, self.last_draft_source = None, None
 
     def prefer_copy(self, copy: List[int]) -> bool:
@@ -128,11 +122,11 @@ class MTPNgramDrafter(Drafter):
         A full match needs no head state (its deferred rows stay deferred)."""
         if self.ngram.match_length() >= self.ngram.max_ngram:
             return True
-        logits = self.mtp.next_logits()
+        logits = self.mtp.rows.next_logits()
         return logits is None or int(mx.argmax(logits).item()) == copy[0]
 
     def needs_head_state(self, k: int) -> bool:
-        """Whether ``draft(k)`` looks at the head's state (runs its deferred
+        """Whether ``propose(k)`` looks at the head's state (runs its deferred
         rows): not for a copy of a full ``max_ngram`` match, taken as is."""
         copy = self.ngram.draft(k)
         if copy and not self.head_pays:
@@ -151,16 +145,17 @@ class MTPNgramDrafter(Drafter):
         with the better record is named then."""
         copy = self.ngram.draft(k)
         if not copy:
-            return "mtp" if self.mtp.can_draft() else None
+            return HEAD_SOURCE if self.mtp.can_draft() else None
         if not self.head_pays:
-            return "ngram"
+            return COPY_SOURCE
         partial = self.ngram.match_length() < self.ngram.max_ngram
-        if not look and partial and self.mtp.pending_rows:
-            return "ngram" if self.score["ngram"] > self.score["mtp"] else "mtp"
-        return "mtp" if self._needs_head(copy) else "ngram"
+        if not look and partial and self.mtp.rows.pending_rows:
+            better = self.score[COPY_SOURCE] > self.score[HEAD_SOURCE]
+            return COPY_SOURCE if better else HEAD_SOURCE
+        return HEAD_SOURCE if self._needs_head(copy) else COPY_SOURCE
 
     def drafts_with_head(self, k: int) -> bool:
-        """Whether ``draft(k)`` runs the head."""
+        """Whether ``propose(k)`` runs the head."""
         return self._needs_head(self.ngram.draft(k))
 
     def _needs_head(self, copy: List[int]) -> bool:
@@ -168,10 +163,11 @@ class MTPNgramDrafter(Drafter):
         pays, the copy is not preferred and (when the score decides) the head
         has the better record."""
         if not copy:
-            return self.mtp.next_logits() is not None
+            return self.mtp.rows.next_logits() is not None
         if not self.head_pays or self.prefer_copy(copy):
             return False
-        return not self.score_decides() or self.score["mtp"] >= self.score["ngram"]
+        head, copies = self.score[HEAD_SOURCE], self.score[COPY_SOURCE]
+        return not self.score_decides() or head >= copies
 
     def score_decides(self) -> bool:
         """Whether the decayed score settles a disagreement between the copy
@@ -182,11 +178,13 @@ class MTPNgramDrafter(Drafter):
         return not self.mtp.samples
 
     def draft(self, k: int) -> List[int]:
-        return as_list(self, self.draft_tokens(k))
+        """Up to ``k`` tokens after the pending token, on the host."""
+        proposal = self.propose(k)
+        mx.eval(proposal.tokens, proposal.probs)
+        return proposal.tokens.tolist()
 
-    def draft_tokens(self, k: int) -> mx.array:
-        """A copy, or the head's draft as a lazy array (see
-        :meth:`MTPDrafter.draft_tokens`): [m] uint32."""
+    def propose(self, k: int) -> Proposal:
+        """A copy, or the head's draft (lazy: see :meth:`MTPDrafter.propose`)."""
         self.mtp.check_draft_length(k)
         self._divergence = None
         copy = self.ngram.draft(k)
@@ -196,20 +194,21 @@ class MTPNgramDrafter(Drafter):
             and self.score_decides()
             and not self.prefer_copy(copy)
         ):
-            head = int(mx.argmax(self.mtp.next_logits()).item())
+            head = int(mx.argmax(self.mtp.rows.next_logits()).item())
             self._divergence = (copy[0], head)  # scored once the target decides
         head = self._needs_head(copy)
-        out = self.mtp.draft_tokens(k) if head else host_draft(copy)
-        source = "mtp" if head else "ngram"
-        self.last_draft_source = source if out.size else None
-        self.steps[source] += bool(out.size)
-        return out
+        proposal = self.mtp.propose(k) if head else host_proposal(copy)
+        source = HEAD_SOURCE if head else COPY_SOURCE
+        self.last_draft_source = source if len(proposal) else None
+        if len(proposal):
+            self.steps[source] += 1
+        return proposal
 
     def accept(self, emitted: Sequence[int], hidden=None):
         if self._divergence is not None and emitted:
             # emitted[0] is the target's own next token, whichever draft ran
-            for source, guess in zip(("ngram", "mtp"), self._divergence):
-                hit = guess == emitted[0]
+            for source, guess in zip((COPY_SOURCE, HEAD_SOURCE), self._divergence):
+                hit = 1.0 if guess == emitted[0] else 0.0
                 self.score[source] = DECAY * self.score[source] + hit
         self._divergence = None
         self.mtp.accept(emitted, hidden)

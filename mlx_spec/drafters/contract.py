@@ -1,22 +1,43 @@
-"""What the decode engine asks of a drafter, as ``typing.Protocol``s.
+"""What the decode engine asks of a drafter: one core contract, and optional
+ones a drafter implements when it has what they describe.
 
 A drafter proposes tokens after the pending token; the target verifies them
-in one pass and the drafter is told what was kept. Three contracts:
+in one pass and the drafter is told what was kept.
 
-- :class:`CoreDrafter`: what every drafter the engine holds does (the base
-  class :class:`~mlx_spec.drafters.base.Drafter` gives the defaults, and
-  ``as_drafter`` adapts a user's :class:`UserDrafter`).
-- :class:`SelfJudging`: a drafter that names the source of its next draft
-  and judges first drafts it did not make (``auto`` learns from them and
-  keeps a draft-length policy per source).
-- :class:`HeadBased`: a drafter that drafts with the model's MTP head, so a
-  batch can run its rows' heads as one forward.
+- :class:`Drafter` (the core): a name, whether it reads the target's hidden
+  states, ``reset`` with a prompt, ``propose`` up to ``k`` tokens as a
+  :class:`Proposal`, ``accept`` the tokens a pass kept. Every drafter the
+  engine holds is typed as this; ``drafters.register`` makes one available
+  by name, and nothing in ``core/`` names a drafter.
+- Optional contracts, each a ``runtime_checkable`` protocol the engine asks
+  about (:func:`judged` and the functions after it hold the defaults for a
+  drafter without them, in one place):
 
-The engine's values have one type each: a draft is an ``mx.array`` [m]
-(uint32, m <= k; possibly lazy, evaluated with the verify pass), hidden
-states are ``mx.array`` [rows, H] or None.
+  - :class:`SamplesDrafts`: it chooses draft tokens from logits, so the
+    target's sampler and logits processors decide how (rejection sampling
+    then needs its q).
+  - :class:`KnowsEmpty`: it can tell, without running anything, that the
+    next draft would be empty.
+  - :class:`ReadsPromptRows`: of a prompt's hidden states it reads only the
+    last few (the others need not be computed).
+  - :class:`SelfJudging`: it names the source of its next draft and judges
+    first drafts in hindsight (``auto`` learns from them, a policy a
+    source).
+  - :class:`DefersWork`: it defers work on accepted tokens (the MTP head's
+    rows) until a draft needs it, and hands that work over with a kept
+    state.
+  - :class:`KeepsArrays`: it keeps arrays a saved state must carry (a
+    drafter without them is rebuilt from the token history).
+  - :class:`HeadBased`: it drafts with the model's MTP head, so a batch can
+    run its rows' heads as one forward.
+
+The engine's values have one type each: a draft is a :class:`Proposal`
+(tokens ``mx.array`` [m] uint32, m <= k, lazy when made on the device; its
+q when sampled), hidden states are ``mx.array`` [rows, H] or None.
 """
 
+from dataclasses import dataclass
+from enum import Enum
 from typing import (
     Dict,
     List,
@@ -31,6 +52,35 @@ import mlx.core as mx
 
 Hindsight = Dict[Optional[str], Tuple[int, int]]  # source -> (hits, trials)
 DeferredPass = Tuple[mx.array, mx.array]  # tokens [n], hidden [n, H] of one pass
+HEAD_SOURCE = "mtp"  # the source name of drafts a head-based drafter's head makes
+
+
+class DraftSite(Enum):
+    """Where a draft was made: its host time is its cost, or it is lazy and
+    computed on the device with the verify pass (no host timer sees it)."""
+
+    HOST = "host"
+    DEVICE = "device"
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A drafter's draft for the next pass."""
+
+    tokens: mx.array  # [m] uint32, m <= k; lazy when made on the device
+    probs: Optional[mx.array] = None  # [m, V] q of a sampled draft; None: deterministic
+    site: DraftSite = DraftSite.HOST
+
+    def __len__(self) -> int:
+        return self.tokens.size
+
+
+NO_PROPOSAL = Proposal(mx.array([], mx.uint32))  # a pass that drafts nothing
+
+
+def host_proposal(tokens: Sequence[int]) -> Proposal:
+    """A deterministic draft made on the host (a list of ints)."""
+    return Proposal(mx.array([int(t) for t in tokens], mx.uint32))
 
 
 class DraftChooser(Protocol):
@@ -45,9 +95,29 @@ class DraftChooser(Protocol):
         """logits [V], the tokens drafted so far -> (token, q [V] or None)."""
 
 
+class Drafter(Protocol):
+    """The core contract: what every drafter the engine holds does."""
+
+    name: str  # how it is asked for (``draft=``) and named in saved states
+    needs_hidden: bool  # reset/accept need the target's hidden states
+
+    def reset(self, prompt: Sequence[int], hidden: Optional[mx.array]) -> None:
+        """A new history. hidden: [N-1, H] post-norm target states of
+        ``prompt[:-1]`` when ``needs_hidden``, else None."""
+
+    def propose(self, k: int) -> Proposal:
+        """Up to ``k`` (>= 1) tokens after the pending token."""
+
+    def accept(self, tokens: Sequence[int], hidden: Optional[mx.array]) -> None:
+        """The tokens a verify pass kept (accepted drafts and the target's
+        own next token); hidden: [len(tokens), H] for the inputs that
+        produced them (``needs_hidden``), else None."""
+
+
 @runtime_checkable
 class UserDrafter(Protocol):
-    """The least a user's own drafter object needs (host lists of ints)."""
+    """The least a user's own drafter object needs (host lists of ints);
+    ``as_drafter`` adapts one to :class:`Drafter`."""
 
     def reset(self, prompt: Sequence[int], hidden: Optional[mx.array]) -> None: ...
 
@@ -56,65 +126,26 @@ class UserDrafter(Protocol):
     def accept(self, tokens: Sequence[int], hidden: Optional[mx.array]) -> None: ...
 
 
-class CoreDrafter(Protocol):
-    """What the decode engine calls on every drafter. (Not checked with
-    ``isinstance``: that would read ``state``, which runs deferred work.)"""
-
-    name: str
-    needs_hidden: bool  # reset/accept need the target's hidden states
-    # [m, V] the distributions the last draft was sampled from (rejection
-    # sampling needs them); None for a deterministic draft.
-    draft_probs: Optional[mx.array]
-    # Whether the last draft was computed on the device (lazy): the host's
-    # time spent drafting is then no measure of its cost.
-    drafted_on_device: bool
-
-    def reset(self, prompt: Sequence[int], hidden: Optional[mx.array]) -> None:
-        """A new history. hidden: [N-1, H] post-norm target states of
-        ``prompt[:-1]`` when ``needs_hidden``, else None."""
-
-    def draft_tokens(self, k: int) -> mx.array:
-        """Up to ``k`` tokens after the pending token: [m] uint32, m <= k."""
-
-    def accept(self, tokens: Sequence[int], hidden: Optional[mx.array]) -> None:
-        """The tokens a verify pass kept (accepted drafts and the target's
-        own next token); hidden: [len(tokens), H] for the inputs that
-        produced them (``needs_hidden``), else None."""
+@runtime_checkable
+class SamplesDrafts(Protocol):
+    """A drafter whose tokens are chosen from logits (it may sample)."""
 
     def set_sampling(self, choose: Optional[DraftChooser]) -> None:
         """Choose drafts with ``choose`` (None: the drafter's own argmax)."""
 
+
+@runtime_checkable
+class KnowsEmpty(Protocol):
     def can_draft(self) -> bool:
         """False when the next draft is known to be empty without running
         anything; a batch counts such a row as one token."""
 
+
+@runtime_checkable
+class ReadsPromptRows(Protocol):
     def rows_read(self, n: int) -> int:
         """Of the hidden states of ``n`` rows given at once (a prompt), how
         many, the last ones, it reads; the others may be anything."""
-
-    def catch_up(self) -> None:
-        """Deferred work done now, so that timing the next draft measures
-        drafting alone."""
-
-    @property
-    def state(self) -> List[mx.array]:
-        """Arrays saved with a chat session (deferred work run first)."""
-
-    def restore(self, history: Sequence[int], arrays: Sequence[mx.array]) -> None:
-        """Rebuild from ``state``'s arrays and the token history."""
-
-    def check_state(
-        self, arrays: Sequence[mx.array], deferred: List[DeferredPass]
-    ) -> None:
-        """``ValueError`` unless ``arrays`` and ``deferred`` (read from a
-        file) are what this drafter's ``state`` and ``take_deferred`` could
-        have given: a state is checked before it is restored."""
-
-    def take_deferred(self) -> List[DeferredPass]:
-        """The deferred work handed over (no longer held here)."""
-
-    def put_deferred(self, rows: List[DeferredPass]) -> None:
-        """Hold ``rows`` (from :meth:`take_deferred`) as deferred work again."""
 
 
 @runtime_checkable
@@ -122,9 +153,9 @@ class SelfJudging(Protocol):
     """A drafter with named sources that judges first drafts in hindsight."""
 
     def draft_source(self, k: int, look: bool = True) -> Optional[str]:
-        """The source that drafts ``k`` tokens next (``"mtp"``, ``"ngram"``;
-        None: nothing to draft). ``look``: it may run deferred work to
-        answer exactly."""
+        """The source that drafts ``k`` tokens next (``HEAD_SOURCE``, or
+        another name; None: its one unnamed source, or nothing to draft).
+        ``look``: it may run deferred work to answer exactly."""
 
     def hindsight(self) -> Hindsight:
         """Per source, (hits, trials) of first drafts judged without being
@@ -135,6 +166,39 @@ class SelfJudging(Protocol):
     def set_source_paying(self, source: str, paying: bool) -> None:
         """``auto`` says whether drafting from ``source`` pays now, so that
         the drafter need not run that source just to choose between them."""
+
+
+@runtime_checkable
+class DefersWork(Protocol):
+    """A drafter that defers work on accepted tokens (the MTP head's rows)."""
+
+    def catch_up(self) -> None:
+        """Deferred work done now, so that timing the next draft measures
+        drafting alone."""
+
+    def take_deferred(self) -> List[DeferredPass]:
+        """The deferred work handed over (no longer held here)."""
+
+    def put_deferred(self, rows: List[DeferredPass]) -> None:
+        """Hold ``rows`` (from :meth:`take_deferred`) as deferred work again."""
+
+
+@runtime_checkable
+class KeepsArrays(Protocol):
+    """A drafter whose state is more than its token history."""
+
+    def saved_arrays(self) -> List[mx.array]:
+        """Arrays to save with a state (deferred work run first)."""
+
+    def restore(self, history: Sequence[int], arrays: Sequence[mx.array]) -> None:
+        """Rebuild from :meth:`saved_arrays`'s arrays and the token history."""
+
+    def check_state(
+        self, arrays: Sequence[mx.array], deferred: List[DeferredPass]
+    ) -> None:
+        """``ValueError`` unless ``arrays`` and ``deferred`` (read from a
+        file) are what :meth:`saved_arrays` and ``take_deferred`` could
+        have given: a state is checked before it is restored."""
 
 
 @runtime_checkable
@@ -152,3 +216,77 @@ class HeadBased(Protocol):
 
     def drafts_with_head(self, k: int) -> bool:
         """Whether drafting ``k`` tokens runs the head."""
+
+
+# -- the optional contracts' defaults, for a drafter without them ----------------
+def set_sampling(drafter: Drafter, choose: Optional[DraftChooser]):
+    """Tell ``drafter`` how drafts are chosen; a deterministic one keeps its
+    own (the verifier treats its q as one-hot)."""
+    if isinstance(drafter, SamplesDrafts):
+        drafter.set_sampling(choose)
+
+
+def can_draft(drafter: Drafter) -> bool:
+    return drafter.can_draft() if isinstance(drafter, KnowsEmpty) else True
+
+
+def rows_read(drafter: Drafter, n: int) -> int:
+    return drafter.rows_read(n) if isinstance(drafter, ReadsPromptRows) else n
+
+
+def draft_source(drafter: Drafter, k: int, look: bool = True) -> Optional[str]:
+    if isinstance(drafter, SelfJudging):
+        return drafter.draft_source(k, look)
+    return None
+
+
+def judged(drafter: Drafter) -> Hindsight:
+    """What ``drafter`` judged in hindsight since it was last asked (and,
+    asked once, it goes on judging); nothing for one that does not judge."""
+    return drafter.hindsight() if isinstance(drafter, SelfJudging) else {}
+
+
+def tell_paying(drafter: Drafter, source: str, paying: bool):
+    if isinstance(drafter, SelfJudging):
+        drafter.set_source_paying(source, paying)
+
+
+def catch_up(drafter: Drafter):
+    if isinstance(drafter, DefersWork):
+        drafter.catch_up()
+
+
+def take_deferred(drafter: Drafter) -> List[DeferredPass]:
+    return drafter.take_deferred() if isinstance(drafter, DefersWork) else []
+
+
+def put_deferred(drafter: Drafter, rows: List[DeferredPass]):
+    if isinstance(drafter, DefersWork):
+        drafter.put_deferred(rows)
+    elif rows:
+        raise ValueError(f"drafter {drafter.name!r} defers no work")
+
+
+def saved_arrays(drafter: Drafter) -> List[mx.array]:
+    return drafter.saved_arrays() if isinstance(drafter, KeepsArrays) else []
+
+
+def check_state(drafter: Drafter, arrays, deferred: List[DeferredPass]):
+    """``ValueError`` unless ``arrays`` and ``deferred`` fit ``drafter``: a
+    drafter keeping no arrays and deferring nothing has none."""
+    if isinstance(drafter, KeepsArrays):
+        drafter.check_state(arrays, deferred)
+    elif arrays or (deferred and not isinstance(drafter, DefersWork)):
+        raise ValueError(f"drafter {drafter.name!r} keeps no arrays, the state has")
+
+
+def restore(drafter: Drafter, history: Sequence[int], arrays: Sequence[mx.array]):
+    """Rebuild ``drafter`` for a saved ``history``: from its arrays, or, for
+    a drafter keeping none, from the tokens alone (one that reads hidden
+    states cannot be: they were not saved)."""
+    if isinstance(drafter, KeepsArrays):
+        drafter.restore(history, arrays)
+    elif drafter.needs_hidden:
+        raise ValueError(f"drafter {drafter.name!r} cannot be restored")
+    else:
+        drafter.reset(list(history), None)

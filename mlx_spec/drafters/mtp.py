@@ -9,7 +9,7 @@ one row per position the target has verified:
 - ``reset``: the target prefilled x_0..x_{N-2} (h_0..h_{N-2}); rows
   ``(x_1, h_0) .. (x_{N-1}, h_{N-2})`` at positions 0..N-2. The last row's
   logits give d_1 (the token after the pending x_{N-1}).
-- ``draft(k)``: d_1 comes from the stored logits; step j > 1 runs one row
+- ``propose(k)``: d_1 comes from the stored logits; step j > 1 runs one row
   ``(d_{j-1}, hm_{j-1})`` (hm: the head's own post-``mtp.norm`` state), so a
   draft of k tokens adds k - 1 draft-time rows.
 - ``accept(emitted, hidden)``: trim the draft-time rows, then append the rows
@@ -25,20 +25,27 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .base import MAX_MTP_DRAFT_TOKENS, Drafter, as_list, host_draft
+from .base import MAX_MTP_DRAFT_TOKENS
+from .contract import HEAD_SOURCE, NO_PROPOSAL, DraftSite, Proposal
 from .mtp_judge import HeadJudge
 from .mtp_rows import PENDING_ROWS, HeadRows
 
 __all__ = ["MTPDrafter", "PENDING_ROWS"]
 
 
-class MTPDrafter(Drafter):
+class MTPDrafter:
     """Greedy or sampled drafting with an :class:`~mlx_spec.models.mtp.MTPHead`.
 
-    ``rows``: the head's verified rows (a batch takes them over);
-    ``judge``: its first drafts judged in hindsight.
+    ``rows``: the head's verified rows (a batch takes them over and reads
+    them directly); ``judge``: its first drafts judged in hindsight.
     ``last_draft_logits`` [m, V]: the head's logits that produced each of the
-    m tokens of the last draft (row i -> d_{i+1}), kept for rejection sampling.
+    m tokens of the last draft (row i -> d_{i+1}).
+
+    Contracts (:mod:`.contract`): the core :class:`~.contract.Drafter`, and
+    :class:`~.contract.SamplesDrafts`, :class:`~.contract.KnowsEmpty`,
+    :class:`~.contract.ReadsPromptRows`, :class:`~.contract.SelfJudging`
+    (one source, ``HEAD_SOURCE``), :class:`~.contract.DefersWork`,
+    :class:`~.contract.KeepsArrays` and :class:`~.contract.HeadBased`.
     """
 
     name = "mtp"
@@ -56,8 +63,7 @@ class MTPDrafter(Drafter):
         self.last_draft_logits: Optional[mx.array] = None
         self._draft_rows = 0  # draft-time rows in the cache, trimmed on accept
         self.choose = None  # logits, drafted -> (token, q); None: the argmax
-        self.draft_probs: Optional[mx.array] = None  # [m, V] q of a sampled draft
-        self._offered = None  # a draft computed by a batch (see offer)
+        self._offered: Optional[Tuple[int, Proposal]] = None  # a batch's draft
 
     def check_draft_length(self, k):
         """ValueError unless 1 <= k <= max_draft (one MTP layer, reused per step)."""
@@ -78,53 +84,23 @@ class MTPDrafter(Drafter):
         hindsight)."""
         return self.choose is not None and self.choose.samples
 
-    # -- the head's rows (see mtp_rows), as the drafter contract names them ---
-    @property
-    def cache(self):
-        """The head's KV caches (None while a batch holds them)."""
-        return self.rows.cache
-
-    @property
-    def verified(self) -> int:
-        return self.rows.verified
-
-    @property
-    def offset(self) -> int:
-        """Rows in the head's cache (after catching up on accepted rows)."""
-        return self.rows.offset
-
-    @property
-    def pending_rows(self) -> int:
-        """Accepted rows not yet run through the head."""
-        return self.rows.pending_rows
-
-    @property
-    def pending_limit(self) -> float:
-        """Accepted rows deferred at most before a head forward."""
-        return self.rows.pending_limit
-
-    @pending_limit.setter
-    def pending_limit(self, limit: float):
-        self.rows.pending_limit = limit
-
     def catch_up(self):
-        """Run and evaluate the deferred rows (a ``draft`` timed next times drafting)."""
+        """Run and evaluate the deferred rows (a draft timed next times drafting)."""
         self.rows.catch_up()
 
     def draft_source(self, k: int, look: bool = True) -> Optional[str]:
-        """The source name ``"mtp"``; None before the head has a row."""
-        return "mtp" if self.can_draft() else None
+        """``HEAD_SOURCE``; None before the head has a row."""
+        return HEAD_SOURCE if self.can_draft() else None
+
+    def set_source_paying(self, source: str, paying: bool):
+        """One source: nothing to choose between."""
 
     def can_draft(self) -> bool:
         """Whether the head has a verified row, run or deferred (it can draft)."""
         return self.rows.can_draft()
 
-    def next_logits(self) -> Optional[mx.array]:
-        """The head's logits [V] for d_1 of the next draft (None: no row yet)."""
-        return self.rows.next_logits()
-
     def hindsight(self) -> Dict[str, Tuple[int, int]]:
-        """``{"mtp": (hits, trials)}`` (see :meth:`HeadJudge.hindsight`)."""
+        """``{HEAD_SOURCE: (hits, trials)}`` (see :meth:`HeadJudge.hindsight`)."""
         return self.judge.hindsight()
 
     def reset(self, prompt_tokens: Sequence[int], hidden: Optional[mx.array]):
@@ -153,47 +129,46 @@ class MTPDrafter(Drafter):
         the head reads the hidden states of."""
         return n - self.rows.seen_chunks(n)[0]
 
-    @property
-    def state(self) -> List[mx.array]:
+    def saved_arrays(self) -> List[mx.array]:
         """Arrays to save with a session: the verified cache rows of each
         layer (keys, values; float16) and the last row's post-norm hidden."""
         return self.rows.state
 
     def restore(self, history: Sequence[int], arrays: Sequence[mx.array]):
-        """Rebuild the state saved by ``state`` (``history`` is not needed)."""
+        """Rebuild the state saved by :meth:`saved_arrays` (``history`` is
+        not needed)."""
         self.reset([0], None)  # an empty cache, no rows
         self.rows.restore(arrays)
 
     def take_deferred(self) -> List[Tuple[mx.array, mx.array]]:
         return self.rows.take_deferred()
 
-    def check_state(self, arrays, deferred):
-        self.rows.check(arrays, deferred)
-
     def put_deferred(self, rows: List[Tuple[mx.array, mx.array]]):
         self.rows.put_deferred(rows)
 
+    def check_state(self, arrays, deferred):
+        self.rows.check(arrays, deferred)
+
     # -- drafting ---------------------------------------------------------------
     def draft(self, k: int) -> List[int]:
-        """Up to ``k`` (1..8) greedy tokens after the pending token."""
-        return as_list(self, self.draft_tokens(k))
+        """Up to ``k`` (1..8) tokens after the pending token, on the host."""
+        proposal = self.propose(k)
+        mx.eval(proposal.tokens, self.last_draft_logits, proposal.probs)
+        return proposal.tokens.tolist()
 
-    def draft_tokens(self, k: int) -> mx.array:
-        """:meth:`draft` without a host synchronisation: the tokens [k] as a
-        lazy array (the verify pass evaluates them with its own outputs;
-        also a draft a batch computed), or [0] (nothing to draft)."""
+    def propose(self, k: int) -> Proposal:
+        """Up to ``k`` tokens after the pending token, lazy (the verify pass
+        evaluates them with its own outputs; or a draft a batch computed);
+        none before the head has a row."""
         self.check_draft_length(k)
         if self._draft_rows:
-            raise RuntimeError("draft() called twice without accept()")
+            raise RuntimeError("propose() called twice without accept()")
         if self._offered is not None:
-            self.drafted_on_device = True
             return self._take_offer(k)
-        self.draft_probs = None
         hm, logits = self.rows.head_state
-        self.drafted_on_device = logits is not None
         if logits is None:
             self.last_draft_logits = None
-            return host_draft([])
+            return NO_PROPOSAL
         steps, tokens, probs = [], [], []
         for step in range(k):
             if step:
@@ -212,9 +187,8 @@ class MTPDrafter(Drafter):
                     probs.append(q)
         self._draft_rows = k - 1
         self.last_draft_logits = mx.stack(steps)
-        if probs:
-            self.draft_probs = mx.stack(probs)
-        return mx.stack(tokens).astype(mx.uint32)
+        q = mx.stack(probs) if probs else None
+        return Proposal(mx.stack(tokens).astype(mx.uint32), q, DraftSite.DEVICE)
 
     def discard_draft(self):
         """Drop the draft-time rows (the caller verifies some other draft)."""
@@ -242,22 +216,23 @@ class MTPDrafter(Drafter):
         return self
 
     def needs_head_state(self, k: int) -> bool:
-        """Whether ``draft(k)`` looks at the head's state: always."""
+        """Whether proposing ``k`` tokens looks at the head's state: always."""
         return True
 
     def drafts_with_head(self, k: int) -> bool:
-        """Whether ``draft(k)`` runs the head (no verified row: it drafts nothing)."""
-        return self.next_logits() is not None
+        """Whether proposing ``k`` tokens runs the head (no verified row: it
+        drafts nothing)."""
+        return self.rows.next_logits() is not None
 
-    def offer(self, k: int, tokens: mx.array, logits: mx.array, probs=None):
-        """The draft ``draft(k)`` would make, computed elsewhere with its
-        draft-time rows already dropped: the next ``draft(k)`` returns it.
-        tokens: [k] (lazy); logits: [k, V]; probs: [k, V] when sampled, else None."""
-        self._offered = (k, tokens, logits, probs)
+    def offer(self, k: int, proposal: Proposal, logits: mx.array):
+        """The draft ``propose(k)`` would make, computed elsewhere with its
+        draft-time rows already dropped: the next ``propose(k)`` returns it.
+        logits: [k, V], the head's logits of each drafted token."""
+        self._offered = (k, proposal)
+        self.last_draft_logits = logits
 
-    def _take_offer(self, k: int) -> mx.array:
-        offered, tokens, self.last_draft_logits, self.draft_probs = self._offered
-        self._offered = None
+    def _take_offer(self, k: int) -> Proposal:
+        (offered, proposal), self._offered = self._offered, None
         if offered != k:
             raise RuntimeError(f"a draft of {offered} tokens was offered, {k} asked")
-        return tokens
+        return proposal

@@ -15,13 +15,18 @@ inside a copy that was accepted are easy ones, no sample of a pass's start.
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .base import Drafter, OneDraftWalk
+from .base import HostDrafter, OneDraftWalk
 
 MIN_NGRAM = 2
 
 
-class NgramDrafter(Drafter):
-    """Drafts up to ``k`` tokens by matching the longest recent suffix."""
+class NgramDrafter(HostDrafter):
+    """Drafts up to ``k`` tokens by matching the longest recent suffix.
+
+    Contracts (:mod:`.contract`): the core :class:`~.contract.Drafter`,
+    :class:`~.contract.KnowsEmpty` and :class:`~.contract.SelfJudging` (one
+    unnamed source). It keeps no arrays: a saved state rebuilds its index
+    from the token history."""
 
     name = "ngram"
 
@@ -50,11 +55,6 @@ class NgramDrafter(Drafter):
                 self._next[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(int(t))
 
-    def restore(self, history: Sequence[int], arrays=()):
-        """Rebuild the index of a saved session from its token history (the
-        index needs no saved arrays)."""
-        self.reset(history)
-
     def accept(self, tokens: Sequence[int], hidden=None):
         """Record the tokens a verify step emitted."""
         for i, t in enumerate(tokens):
@@ -71,6 +71,13 @@ class NgramDrafter(Drafter):
         self._judging = True
         hits, trials = self._walk.take()
         return {None: (hits, trials)} if trials else {}
+
+    def draft_source(self, k: int, look: bool = True) -> Optional[str]:
+        """None: its drafts have one unnamed source."""
+        return None
+
+    def set_source_paying(self, source: str, paying: bool):
+        """One source: nothing to choose between."""
 
     def match(self) -> Tuple[int, Optional[int]]:
         """(n, start): the longest suffix n-gram seen before and where its

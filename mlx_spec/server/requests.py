@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..drafters import DRAFTS
+from ..drafters import draft_names
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..mlx_lm_compat import PENALTIES, server_message_helpers
 from .events import GenerationParams
@@ -157,9 +157,9 @@ def stop_words(body) -> List[str]:
 
 def draft(body) -> Optional[str]:
     value = field(body, "draft", "str")
-    if value is not None and value not in DRAFTS:
+    if value is not None and value not in draft_names():
         raise RequestError(
-            f"'draft' must be one of {', '.join(DRAFTS)}, got {value!r:.40}",
+            f"'draft' must be one of {', '.join(draft_names())}, got {value!r:.40}",
             param="draft",
         )
     return value

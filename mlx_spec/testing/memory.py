@@ -7,6 +7,7 @@ from typing import List, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..core.batch_mtp import head_drafter
 from ..drafters import make_drafter
 from ..generate import stream_generate
 from ..mlx_lm_compat import ArraysCache, make_prompt_cache
@@ -21,8 +22,9 @@ PER_TOKEN_LIMIT = 128
 
 
 def _drafter_caches(drafter) -> list:
-    head = getattr(drafter, "mtp", drafter)  # mtp+ngram holds an MTP drafter
-    return list(getattr(head, "cache", None) or [])
+    """The KV caches of the MTP head a drafter drafts with (none without)."""
+    head = head_drafter(drafter)
+    return [] if head is None else list(head.rows.cache or [])
 
 
 def memory_readings(

@@ -8,7 +8,8 @@ import pytest
 
 import mlx_spec
 from mlx_spec.core import batch_mtp
-from mlx_spec.core.batch import BatchDecoder
+from mlx_spec.core.batch import BatchDecoder, RowOptions
+from mlx_spec.drafters.contract import DraftSite
 from mlx_spec.core.batch_mtp import MTPBatch
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.drafters import make_drafter
@@ -63,9 +64,9 @@ def test_each_row_drafts_what_it_drafts_alone(models, family, window, monkeypatc
             if k:
                 alone.catch_up()
                 draft = alone.draft(k)
-                got = member.draft_tokens(k)  # the batch's draft stays lazy
-                assert member.drafted_on_device == (i in wants)
-                assert got.tolist() == draft
+                got = member.propose(k)  # the batch's draft stays lazy
+                assert (got.site is DraftSite.DEVICE) == (i in wants)
+                assert got.tokens.tolist() == draft
                 if draft:
                     assert _equal(member.last_draft_logits, alone.last_draft_logits)
             # both are told the same verify outcome (k = 0: a plain step)
@@ -76,8 +77,8 @@ def test_each_row_drafts_what_it_drafts_alone(models, family, window, monkeypatc
             member.accept(emitted, hidden)
     for alone, member in pairs:  # each leaves with its own rows, and goes on alone
         batch.leave(member)
-        assert member.offset == alone.offset
-        assert all(map(_equal, member.state, alone.state))
+        assert member.rows.offset == alone.rows.offset
+        assert all(map(_equal, member.saved_arrays(), alone.saved_arrays()))
         assert member.draft(4) == alone.draft(4)
     assert batch.members == [] and all(c.keys is None for c in batch.caches)
 
@@ -99,15 +100,15 @@ def test_a_member_runs_its_deferred_rows_only_at_the_bound(models, monkeypatch):
         for m in members:
             m.accept(emitted, mx.random.normal((len(emitted), H)))
     members[0].accept([7], mx.random.normal((1, H)))
-    assert [m.pending_rows for m in members] == [4, 3]
+    assert [m.rows.pending_rows for m in members] == [4, 3]
     assert batch.catch_up([]) == 0  # below the bound: nothing runs
     # a member about to draft runs its own (and members with no more rows)
     assert batch.catch_up([members[1]]) > 0
-    assert [m.pending_rows for m in members] == [4, 0]
+    assert [m.rows.pending_rows for m in members] == [4, 0]
     for m in members:
         m.accept([4, 5], mx.random.normal((2, H)))
     assert batch.catch_up([]) > 0  # the first member reached the bound
-    assert [m.pending_rows for m in members] == [0, 0]
+    assert [m.rows.pending_rows for m in members] == [0, 0]
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,7 @@ def test_batched_heads_draft_each_row_as_alone(cycle_model):
     for prompt, draft, k in specs:
         d = SpeculativeDecoder(cycle_model, make_drafter(draft, cycle_model), 5)
         d.feed(prompt)
-        ids.append(batch.add(d, 40, num_draft_tokens=k))
+        ids.append(batch.add(d, RowOptions(40, num_draft_tokens=k)))
         got[ids[-1]] = []
     while batch.active:
         for id, (tokens, _) in batch.step().items():
@@ -164,8 +165,8 @@ def test_a_full_ngram_match_is_copied_without_running_the_head(models):
     hidden = mx.random.normal((len(prompt) - 1, model.mtp_head.hidden_size))
     drafter.reset(prompt, hidden)
     drafter.accept([5], mx.random.normal((1, model.mtp_head.hidden_size)))
-    assert drafter.mtp.pending_rows == 1 and not drafter.needs_head_state(3)
-    assert drafter.draft(3) == [6, 7, 8] and drafter.mtp.pending_rows == 1
+    assert drafter.mtp.rows.pending_rows == 1 and not drafter.needs_head_state(3)
+    assert drafter.draft(3) == [6, 7, 8] and drafter.mtp.rows.pending_rows == 1
     drafter.accept([6, 2], mx.random.normal((2, model.mtp_head.hidden_size)))
     assert drafter.needs_head_state(3)  # no match for (6, 2): the head drafts
 
@@ -182,7 +183,7 @@ def test_memory_flat_while_rows_draft_with_the_head(cycle_model):
     for i in range(2):
         d = SpeculativeDecoder(cycle_model, make_drafter("mtp", cycle_model), 4)
         d.feed(order[100 * i : 100 * i + 30])
-        ids.append(batch.add(d, 1300, num_draft_tokens=4))
+        ids.append(batch.add(d, RowOptions(1300, num_draft_tokens=4)))
     produced, marks, readings = 0, list(range(400, 1201, 100)), []
     at = []
     for _ in range(1300):  # passes: at least one token each
@@ -207,7 +208,6 @@ def test_a_lone_row_never_runs_the_head_the_batch_holds(models, monkeypatch):
     copy and deferred head rows: its head's cache is the batch's, so naming
     the draft's source must not run the head on the row's own (moved-out)
     cache, which would lose the deferred rows from the batch's cache."""
-    from mlx_spec.core.batch_policy import draft_lengths
     from mlx_spec.drafters.mtp_rows import HeadRows
     from mlx_spec.testing.reference import fed_decoder
 
@@ -221,11 +221,11 @@ def test_a_lone_row_never_runs_the_head_the_batch_holds(models, monkeypatch):
     batch = BatchDecoder(model, n_slots=4, max_draft=8)
     drafter = make_drafter("mtp+ngram", model)
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3]
-    batch.add(fed_decoder(model, prompt, drafter, 8), 16)
+    batch.add(fed_decoder(model, prompt, drafter, 8), RowOptions(16))
     hidden = mx.random.normal((1, model.mtp_head.hidden_size))
     drafter.accept([4], hidden)  # a pass's row, deferred; [3, 4]: a partial match
-    assert drafter.ngram.draft(3) and drafter.mtp.pending_rows > 0
+    assert drafter.ngram.draft(3) and drafter.mtp.rows.pending_rows > 0
     assert drafter.ngram.match_length() < drafter.ngram.max_ngram
     monkeypatch.setattr(HeadRows, "run", checked_run)
-    draft_lengths(batch.rows, [0], batch.lengths, batch.heads)
-    assert drafter.mtp.pending_rows > 0  # left for the batch's catch-up
+    batch.scheduler._lengths(batch.rows, [0], batch.heads)
+    assert drafter.mtp.rows.pending_rows > 0  # left for the batch's catch-up

@@ -37,7 +37,7 @@ def test_a_kept_state_carries_the_heads_deferred_rows_unrun(models, make, monkey
     model, _ = models["qwen3_next"]
     ran = count_head_rows(monkeypatch)
     decoder = _decoded(model, make)
-    deferred = _head(decoder.drafter).pending_rows
+    deferred = _head(decoder.drafter).rows.pending_rows
     assert deferred > 0
     ran.clear()
     state = capture(decoder, copy_caches=True, flush=False)
@@ -49,9 +49,11 @@ def test_a_kept_state_carries_the_heads_deferred_rows_unrun(models, make, monkey
     restored = SpeculativeDecoder(model, make(model.mtp_head), max_draft=2)
     restore(restored, state, copy_caches=True)
     went_on, back = _head(decoder.drafter), _head(restored.drafter)
-    assert back.pending_rows == went_on.pending_rows == deferred  # still unrun
-    assert mx.array_equal(back.next_logits(), went_on.next_logits()).item()
-    for got, want in zip(back.cache, went_on.cache):
+    assert (
+        back.rows.pending_rows == went_on.rows.pending_rows == deferred
+    )  # still unrun
+    assert mx.array_equal(back.rows.next_logits(), went_on.rows.next_logits()).item()
+    for got, want in zip(back.rows.cache, went_on.rows.cache):
         n = want.offset
         assert got.offset == n
         assert mx.array_equal(got.keys[..., :n, :], want.keys[..., :n, :]).item()

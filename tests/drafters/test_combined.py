@@ -3,30 +3,37 @@
 import mlx.core as mx
 
 from mlx_spec.drafters.combined import MTPNgramDrafter
+from mlx_spec.drafters.contract import DraftSite, Proposal
+
+
+class FakeRows:
+    """The head's rows: d_1 is free (``next_logits``)."""
+
+    def __init__(self, head):
+        self.head, self.pending_rows = head, 0
+
+    def next_logits(self):
+        self.head.looked += 1
+        return mx.eye(self.head.vocab)[self.head.d1]
 
 
 class FakeHead:
-    """The MTP drafter's interface: d_1 is free (``next_logits``), each
-    ``draft_tokens`` is what costs head forwards."""
+    """The MTP drafter's interface: each ``propose`` is what costs head
+    forwards."""
 
     choose, samples = None, False
-    last_draft_logits = draft_probs = None
 
     def __init__(self, vocab=16):
         self.vocab, self.d1, self.drafts, self.looked = vocab, 0, 0, 0
-
-    pending_rows = 0
+        self.rows = FakeRows(self)
 
     def can_draft(self):
         return True
 
-    def next_logits(self):
-        self.looked += 1
-        return mx.eye(self.vocab)[self.d1]
-
-    def draft_tokens(self, k):
+    def propose(self, k):
         self.drafts += 1
-        return mx.array([self.d1] * k, mx.uint32)  # the engine's draft type
+        tokens = mx.array([self.d1] * k, mx.uint32)
+        return Proposal(tokens, None, DraftSite.DEVICE)  # lazy, on the device
 
     def check_draft_length(self, k):
         pass
@@ -102,7 +109,7 @@ def test_draft_source_names_who_drafts_next_without_running_the_head():
     # In a batch (look=False) a row's deferred head rows are not run to
     # answer: the better-scored source is named, the head left alone.
     # Here the head would agree with the copy, but its record is better.
-    d.mtp.pending_rows, d.mtp.looked, d.mtp.d1 = 4, 0, 5
+    d.mtp.rows.pending_rows, d.mtp.looked, d.mtp.d1 = 4, 0, 5
     d.score["mtp"] = 1.0
     assert d.draft_source(3, look=False) == "mtp" and d.mtp.looked == 0
     assert d.draft_source(3) == "ngram" and d.mtp.looked == 1  # it agrees

@@ -4,7 +4,8 @@ import pytest
 
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.drafters import make_drafter
-from mlx_spec.drafters.base import Drafter, OneDraftWalk, as_drafter
+from mlx_spec.drafters import contract
+from mlx_spec.drafters.base import HostDrafter, OneDraftWalk, as_drafter
 from mlx_spec.testing.reference import (
     OracleDrafter,
     prompts,
@@ -16,9 +17,16 @@ from mlx_spec.testing.reference import (
 
 @pytest.mark.parametrize("name", ["ngram", "mtp", "mtp+ngram"])
 def test_named_drafters_are_drafters(models, name):
+    """Each implements the core contract, and the optional ones it has the
+    parts of (the MTP head's deferred rows and arrays: not ngram's)."""
     drafter = make_drafter(name, models["qwen3_next"][0])
-    assert isinstance(drafter, Drafter) and as_drafter(drafter) is drafter
+    assert as_drafter(drafter) is drafter and callable(drafter.propose)
     assert drafter.needs_hidden == (name != "ngram")
+    assert isinstance(drafter, contract.SelfJudging)
+    head = name != "ngram"
+    for optional in (contract.DefersWork, contract.KeepsArrays, contract.HeadBased):
+        assert isinstance(drafter, optional) == head
+    assert isinstance(drafter, contract.SamplesDrafts) == head
 
 
 def test_foreign_object_gets_the_defaults(models):
@@ -28,7 +36,7 @@ def test_foreign_object_gets_the_defaults(models):
     ref = reference_tokens(model, tok, prompt, 24)
     oracle = OracleDrafter(prompt + ref, error=0.3)
     decoder = SpeculativeDecoder(model, oracle)
-    assert isinstance(decoder.drafter, Drafter) and decoder.drafter.inner is oracle
+    assert isinstance(decoder.drafter, HostDrafter) and decoder.drafter.inner is oracle
     assert decoder.drafter.name == "OracleDrafter" and not decoder.drafter.needs_hidden
     out = spec_tokens(model, tok, prompt, 24, draft=oracle, num_draft_tokens=4)
     assert out == ref
@@ -44,14 +52,22 @@ def test_not_a_drafter_is_refused_with_its_name():
 
 
 def test_subclass_must_implement_the_required_methods():
-    class Lazy(Drafter):
+    """A host drafter implements the core contract and nothing optional: the
+    engine's defaults stand in (no deferred work, nothing to save but its
+    history, from which it is rebuilt)."""
+
+    class Lazy(HostDrafter):
         pass
 
     with pytest.raises(NotImplementedError):
-        Lazy().draft(2)
-    with pytest.raises(NotImplementedError, match="'custom' cannot restore"):
-        Lazy().restore([1, 2], [])
-    assert Lazy().state == [] and Lazy().draft_probs is None
+        Lazy().propose(2)
+    lazy = Lazy()
+    assert contract.saved_arrays(lazy) == [] and contract.take_deferred(lazy) == []
+    assert contract.judged(lazy) == {} and contract.can_draft(lazy)
+    with pytest.raises(NotImplementedError):  # rebuilt by reset: not implemented
+        contract.restore(lazy, [1, 2], [])
+    with pytest.raises(ValueError, match="'custom' keeps no arrays"):
+        contract.check_state(lazy, [object()], [])
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 import mlx_spec
 from mlx_spec.core.decode import speculative_generate_step
 from mlx_spec.core.stats import SpecStats
-from mlx_spec.drafters import DRAFTS, make_drafter
+from mlx_spec.drafters import draft_names, make_drafter
 from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.generate import stream_generate
@@ -77,7 +77,7 @@ def run_loop(model, prompt_ids, drafter, k, max_tokens=MAX_TOKENS):
 
 
 def test_registered():
-    assert "mtp" in DRAFTS and "mtp+ngram" in DRAFTS
+    assert "mtp" in draft_names() and "mtp+ngram" in draft_names()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -130,11 +130,11 @@ def test_mtp_cache_matches_fresh_recompute(models, family):
     assert 0 < stats.accepted < stats.drafted  # some rollback happened
     full = prompt + out
     P = len(full) - 1  # the last token is pending
-    assert drafter.offset == drafter.verified == P
+    assert drafter.rows.offset == drafter.rows.verified == P
     hidden = model.model(mx.array(full[:-1])[None])  # [1, P, H]
     cache = model.mtp_head.make_cache()
     hm = model.mtp_head.head_hidden(mx.array(full[1:])[None], hidden, cache)
-    keys, values = drafter.cache[0].keys, drafter.cache[0].values
+    keys, values = drafter.rows.cache[0].keys, drafter.rows.cache[0].values
     assert mx.allclose(keys[..., :P, :], cache[0].keys[..., :P, :], atol=5e-3).item()
     assert mx.allclose(
         values[..., :P, :], cache[0].values[..., :P, :], atol=5e-3
@@ -147,9 +147,9 @@ def test_cache_stores_float16_only_where_the_kernel_reads_it(models, monkeypatch
     model, tok = models["qwen3_next"]
     drafter = MTPDrafter(model.mtp_head)
     run_loop(model, tok.encode(PROMPT), drafter, 2, max_tokens=4)
-    assert isinstance(drafter.cache[0], MTPKVCache)
+    assert isinstance(drafter.rows.cache[0], MTPKVCache)
     # no Metal here: rows kept in the compute dtype, never upcast per step
-    assert drafter.cache[0].keys.dtype == model.mtp_head.fc.weight.dtype
+    assert drafter.rows.cache[0].keys.dtype == model.mtp_head.fc.weight.dtype
     monkeypatch.setattr(mlx_spec.kernels.switch, "kernels_wanted", lambda: True)
     assert [c.dtype for c in model.mtp_head.make_cache()] == [mx.float16]
 
@@ -173,7 +173,7 @@ def test_last_draft_logits(models):
     d = drafter.draft(5)
     assert drafter.last_draft_logits.shape == (5, model.mtp_head.vocab_size)
     assert mx.argmax(drafter.last_draft_logits, axis=-1).tolist() == d
-    assert drafter.offset == len(ids) - 1 + 4  # 4 draft-time rows until accept
+    assert drafter.rows.offset == len(ids) - 1 + 4  # 4 draft-time rows until accept
 
 
 @pytest.mark.parametrize("k", [0, 9, 16])
@@ -203,7 +203,9 @@ def test_combined_uses_both_and_keeps_mtp_cache(cycle_model):
     out, stats = run_loop(model, ids, drafter, 4, max_tokens=48)
     ref = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=48)]
     assert out[:48] == ref
-    assert drafter.mtp.offset == drafter.mtp.verified == len(ids) + len(out) - 1
+    assert (
+        drafter.mtp.rows.offset == drafter.mtp.rows.verified == len(ids) + len(out) - 1
+    )
     assert drafter.steps["ngram"] > 0 and drafter.steps["mtp"] > 0
     assert stats.accepted > 0
     only_mtp, mtp_stats = run_loop(model, ids, MTPDrafter(model.mtp_head), 4, 48)
@@ -334,7 +336,7 @@ def test_a_drafting_pass_own_tokens_are_not_judged(tmp_path, monkeypatch):
     for k, judged in [(3, False), (0, True)]:
         drafter = MTPDrafter(model.mtp_head)
         drafter.hindsight()  # turns judging on
-        drafter.pending_limit = 8  # rows deferred at k = 0 run in batches
+        drafter.rows.pending_limit = 8  # rows deferred at k = 0 run in batches
         tokens, stats = run_loop(model, ids, drafter, k, max_tokens=40)
         assert stats.accepted > 0 if k else stats.drafted == 0
         assert bool(drafter.hindsight()) == judged

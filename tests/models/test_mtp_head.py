@@ -72,8 +72,8 @@ def test_a_prompt_runs_the_layer_only_where_its_output_is_read(models, monkeypat
     H = head.hidden_size
     drafter.accept([5, 6], mx.random.normal((2, H)))
     drafter.accept([7], mx.random.normal((1, H)))
-    drafter.next_logits()
+    drafter.rows.next_logits()
     drafter.accept([8, 9], mx.random.normal((2, H)))
-    drafter.next_logits()
+    drafter.rows.next_logits()
     assert rows[3:] == [3, 1]
-    assert drafter.offset == 24
+    assert drafter.rows.offset == 24

@@ -117,8 +117,11 @@ def test_a_windowed_head_changes_no_token(models, family, make, monkeypatch):
         assert [r.token for r in got] == want, k
         assert stats.drafted > 0 or k == "auto"  # the windowed head drafted
         mtp = drafter if isinstance(drafter, MTPDrafter) else drafter.mtp
-        assert mtp.cache[0].window == 4 and mtp.offset == len(tok.encode(prompt)) + 23
-        assert not mx.any(mtp.cache[0].keys[..., :4, :]).item()  # skipped rows
+        assert (
+            mtp.rows.cache[0].window == 4
+            and mtp.rows.offset == len(tok.encode(prompt)) + 23
+        )
+        assert not mx.any(mtp.rows.cache[0].keys[..., :4, :]).item()  # skipped rows
 
 
 @pytest.mark.parametrize("window", [0, -3, 2.5, "512", True])
@@ -164,12 +167,15 @@ def test_a_prompt_prefilled_in_chunks_leaves_the_head_as_one_forward(
     cache = head.make_cache()
     hm = head.head_hidden(mx.array(prompt[1:])[None], hidden[None], cache)
     P = len(prompt) - 1
-    assert drafter.offset == P
+    assert drafter.rows.offset == P
     seen = P - (window or P)  # rows any later row attends to: [seen, P)
-    got, want = drafter.cache[0].keys[..., seen:P, :], cache[0].keys[..., seen:P, :]
+    got, want = (
+        drafter.rows.cache[0].keys[..., seen:P, :],
+        cache[0].keys[..., seen:P, :],
+    )
     assert mx.allclose(got, want, atol=1e-5).item()
     fresh = head.logits(hm[:, -1:])[0, 0]
-    assert mx.allclose(drafter.next_logits(), fresh, atol=1e-4).item()
+    assert mx.allclose(drafter.rows.next_logits(), fresh, atol=1e-4).item()
 
 
 def _windowed_counting_rows(model, monkeypatch):
@@ -187,9 +193,9 @@ def _prefilled(head, prompt, hidden):
     drafter = MTPDrafter(head)
     drafter.hindsight()  # judge the prompt's last rows, as auto does
     drafter.reset(prompt, hidden)
-    assert drafter.offset == drafter.verified == len(prompt) - 1
+    assert drafter.rows.offset == drafter.rows.verified == len(prompt) - 1
     judged = drafter.hindsight()["mtp"]
-    return drafter, (drafter.next_logits(), judged), drafter.draft(3)
+    return drafter, (drafter.rows.next_logits(), judged), drafter.draft(3)
 
 
 def test_a_windowed_prefill_skips_the_rows_no_later_row_sees(models, monkeypatch):
@@ -206,14 +212,14 @@ def test_a_windowed_prefill_skips_the_rows_no_later_row_sees(models, monkeypatch
     hidden = mx.random.normal((len(prompt) - 1, head.hidden_size))
     skipping, logits, draft = _prefilled(head, prompt, hidden)
     assert calls == [4, 6]  # rows 26..35 (row 32 attends back to row 27)
-    assert not mx.any(skipping.cache[0].keys[..., :26, :]).item()  # zeros
+    assert not mx.any(skipping.rows.cache[0].keys[..., :26, :]).item()  # zeros
 
     every_chunk = list(range(0, 37, 6))
     monkeypatch.setattr(HeadRows, "seen_chunks", lambda r, n: every_chunk)
     every, want_logits, want_draft = _prefilled(head, prompt, hidden)
     assert mx.array_equal(logits[0], want_logits[0]).item() and draft == want_draft
     assert logits[1] == want_logits[1] and logits[1][1] == 3  # 4 rows judged
-    for got, want in zip(skipping.cache, every.cache):
+    for got, want in zip(skipping.rows.cache, every.rows.cache):
         assert mx.array_equal(got.keys[..., 30:36, :], want.keys[..., 30:36, :]).item()
 
     # the last chunk's first row, which row 35 sees, blanked too
@@ -243,11 +249,11 @@ def test_a_prompt_fed_in_chunks_reaches_the_drafter_in_one_piece(
         run; ``limit``: the head runs its rows once this many are deferred."""
         decoder = SpeculativeDecoder(model, make(head), max_draft=3)
         mtp = _head_of(decoder.drafter)
-        mtp.pending_limit = limit or mtp.pending_limit
+        mtp.rows.pending_limit = limit or mtp.rows.pending_limit
         for at in range(0, len(prompt), chunk):
             last = at + chunk >= len(prompt)
             decoder.feed(prompt[at : at + chunk], more=more and not last)
-        mtp.next_logits()
+        mtp.rows.next_logits()
         return decoder, mtp
 
     given = []
@@ -265,8 +271,10 @@ def test_a_prompt_fed_in_chunks_reaches_the_drafter_in_one_piece(
     chunked, chunked_head = fed(8)
     assert calls == [4, 6]
     assert chunked.history == whole.history == prompt
-    assert mx.array_equal(chunked_head.next_logits(), whole_head.next_logits()).item()
-    for got, want in zip(chunked_head.cache, whole_head.cache):
+    assert mx.array_equal(
+        chunked_head.rows.next_logits(), whole_head.rows.next_logits()
+    ).item()
+    for got, want in zip(chunked_head.rows.cache, whole_head.rows.cache):
         assert mx.array_equal(got.keys[..., 30:36, :], want.keys[..., 30:36, :]).item()
     assert chunked.drafter.draft(3) == whole.drafter.draft(3)
 
@@ -281,9 +289,9 @@ def test_a_state_kept_mid_prompt_holds_the_drafters_rows(models):
     model, _ = models["qwen3_next"]
     decoder = SpeculativeDecoder(model, MTPDrafter(model.mtp_head), max_draft=3)
     decoder.feed(list(range(3, 20)), more=True)
-    assert decoder.drafter.cache is None  # not reset yet: it holds them
+    assert decoder.drafter.rows.cache is None  # not reset yet: it holds them
     state = capture(decoder, copy_caches=True, flush=False)
-    assert decoder.drafter.offset == 16 and state.drafter_arrays
+    assert decoder.drafter.rows.offset == 16 and state.drafter_arrays
     decoder.feed(list(range(20, 30)), more=True)
     decode_alone(decoder, 2, max_tokens=8, max_passes=1)
-    assert decoder.drafter.verified >= 16 + 10
+    assert decoder.drafter.rows.verified >= 16 + 10

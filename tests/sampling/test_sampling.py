@@ -8,9 +8,11 @@ import mlx_spec
 from mlx_spec.core.decode import speculative_generate_step
 from mlx_spec.core.sampling import (
     Sampler,
+    Verification,
     make_draft_sampler,
     make_sampler,
     rejection_sample,
+    verification_of,
 )
 from mlx_spec.drafters import make_drafter
 from mlx_spec.testing.distributions import (
@@ -165,15 +167,15 @@ def test_mtp_ngram_samples_its_mtp_drafts(predictive_model):
     sampler = Sampler(temp=1.0, top_k=TOP_K)
     mx.random.seed(0)
     seen = []
-    original = drafter.draft_tokens  # what the decode loop calls
+    original = drafter.propose  # what the decode loop calls
 
-    def draft_tokens(k):
+    def propose(k):
         out = original(k)
         if len(out) and drafter.last_draft_source == "mtp":
-            seen.append(drafter.draft_probs)
+            seen.append(out.probs)
         return out
 
-    drafter.draft_tokens = draft_tokens
+    drafter.propose = propose
     steps = speculative_generate_step(
         mx.array(prompts("random", seed=5)),
         predictive_model,
@@ -214,7 +216,8 @@ def test_draft_sampler_processors_see_the_history_as_it_grows():
         return logits
 
     history = [3, 4]
-    choose = make_draft_sampler(make_sampler(0.7), [record], history)
+    sampler = make_sampler(0.7)
+    choose = make_draft_sampler(sampler, [record], history, verification_of(sampler))
     logits = mx.zeros((8,))
     first, _ = choose(logits, [])
     choose(logits, [first])
@@ -226,11 +229,11 @@ def test_draft_sampler_processors_see_the_history_as_it_grows():
 def test_greedy_draft_sampler_takes_the_argmax_after_the_processors():
     """Greedy: no chooser without processors (the drafter's own argmax);
     with them, the argmax of the processed logits and no q (deterministic)."""
-    assert make_draft_sampler(make_sampler(0.0), [], [1]) is None
+    assert make_draft_sampler(make_sampler(0.0), [], [1], Verification.MATCH) is None
 
     def ban_two(tokens, logits):
         return logits.at[:, 2].add(-10.0)
 
-    choose = make_draft_sampler(make_sampler(0.0), [ban_two], [1])
+    choose = make_draft_sampler(make_sampler(0.0), [ban_two], [1], Verification.MATCH)
     token, q = choose(mx.array([0.0, 1.0, 3.0, 2.0]), [])
     assert token.item() == 3 and q is None

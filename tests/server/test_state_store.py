@@ -10,7 +10,7 @@ import time
 import mlx.core as mx
 import pytest
 
-from mlx_spec.drafters import DRAFTS
+from mlx_spec.drafters import draft_names
 from mlx_spec.server.engine import Engine
 from mlx_spec.server.events import Started
 from mlx_spec.state_store import STALE_TEMP_S, Identity, StateStore
@@ -48,7 +48,7 @@ def started(events) -> Started:
     return next(e for e in events if isinstance(e, Started))
 
 
-@pytest.mark.parametrize("draft", DRAFTS)
+@pytest.mark.parametrize("draft", draft_names())
 def test_a_restart_continues_from_disk_exactly(models, family, draft, tmp_path, no_eos):
     """An engine closes (its states written), a new one on the same
     directory continues the conversation: only the new tokens (and the
