@@ -45,7 +45,7 @@ import mlx.core as mx
 import mlx_spec
 from bench_helpers import interleaved, median_run
 from mlx_spec.commands.bench import load_workloads, machine_info
-from mlx_spec.core.batch import BatchDecoder
+from mlx_spec.core.batch import BatchDecoder, RowOptions
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters import make_drafter
@@ -67,7 +67,7 @@ def run(model, prompts, setting, rows, max_tokens, num_draft_tokens):
         drafter = None if draft == "none" else make_drafter(draft, model)
         d = SpeculativeDecoder(model, drafter, max_draft=8)
         d.feed(prompts[i % len(prompts)])
-        batch.add(d, max_tokens, num_draft_tokens=num_draft_tokens)
+        batch.add(d, RowOptions(max_tokens, num_draft_tokens=num_draft_tokens))
     tokens, passes = 0, 0
     tic = time.perf_counter()
     while batch.active:
@@ -160,7 +160,7 @@ def pass_ms(model, prompt, shape: List[int], mode: str, repeats: int) -> float:
     for _ in shape:
         d = SpeculativeDecoder(model, None, max_draft=max(shape) - 1)
         d.feed(prompt)
-        batch.add(d, 1 << 20)
+        batch.add(d, RowOptions(1 << 20))
     T, times = max(shape), []
     ragged = None if min(shape) == T else shape
     inputs = mx.zeros((len(shape), T), mx.uint32)

@@ -37,26 +37,21 @@ from typing import Collection, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
+from ..drafters import contract
 from ..models.packed import pack_positions
 from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
 from .batch_row import BatchRow
-from .batch_policy import (
-    PassLength,
-    copies_pay,
-    draft_lengths,
-    head_catch_up,
-    plain_ahead,
-)
-from .sequence import NO_DRAFT, SpeculativeDecoder
-from .pass_cost import PassCost, PassShape
-from .policy import pass_cost_model, policies_by_source
+from .pass_plan import Forward, PassPlan
 from .policy_tuning import DEFAULT_TUNING, PolicyTuning
+from .queue_ahead import QueueAhead
 from .row_caches import BatchCaches, RowCaches, SequenceCaches
 from .row_guard import RowFailed, RowGuard
-from .sampling import make_draft_sampler, make_sampler
+from .sampling import make_draft_sampler, make_sampler, verification_of
+from .scheduler import Scheduler
+from .sequence import SpeculativeDecoder
 from .stats import PhaseClock, SpecStats
-from .target import Target, queue_after
+from .target import Target
 
 
 class _Verdict(NamedTuple):
@@ -72,13 +67,27 @@ class _Verified:
     """A verified pass awaiting :meth:`BatchDecoder.commit`."""
 
     started: float  # perf_counter at the start of the pass
-    T: int
+    plan: PassPlan
     hidden: Optional[mx.array]  # [B, T, H]
     verdicts: Dict[int, _Verdict]  # row index -> its part
-    contexts: Dict[int, int]  # row index -> tokens before the pass
-    took_queued: bool  # its forward was queued by the pass before
     queued_next: bool  # it queued the next pass (its caches committed)
-    shape: PassShape  # what it computed, for the cost model
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    """How a sequence joining the engine decodes: its token budget, sampler
+    (None: greedy), draft length (``"auto"`` or a number), stop tokens and
+    mlx-lm logits processors (they see ``seen``, default: the decoder's
+    history, and the row's tokens since); ``verify_costs``: the verify
+    profile ``auto`` prices passes by (None: the model's measured one)."""
+
+    max_tokens: int
+    sampler: Optional[object] = None
+    num_draft_tokens: object = "auto"
+    verify_costs: Optional[List[float]] = None
+    stop_tokens: Collection[int] = ()
+    logits_processors: Optional[list] = None
+    seen: Optional[List[int]] = None
 
 
 class BatchDecoder:
@@ -86,7 +95,7 @@ class BatchDecoder:
 
     Sequences are named by the id :meth:`add` returns. ``row_caches``: where
     the rows live (default: a batch's own, :class:`BatchCaches`);
-    ``tuning``: the constants of its ``auto`` rows' policies."""
+    ``tuning``: the constants of its ``auto`` rows' choice."""
 
     def __init__(
         self,
@@ -98,7 +107,6 @@ class BatchDecoder:
         tuning: PolicyTuning = DEFAULT_TUNING,
     ):
         self.model, self.n_slots, self.max_draft = model, n_slots, max_draft
-        self.tuning = tuning
         self.group = pipeline_group(model)
         if row_caches is None:
             row_caches = BatchCaches(model, max_draft, rollback, self.group is not None)
@@ -107,10 +115,9 @@ class BatchDecoder:
         self.positions = pack_positions(model)  # MLPs and head skip the padding
         self.rows: List[BatchRow] = []  # the batch's rows, in cache order
         self.heads: Optional[MTPBatch] = None  # the rows' MTP heads, run together
-        self.cost: Optional[PassCost] = None  # what its passes cost, fitted
-        self.lengths: Optional[PassLength] = None  # the auto rows' shared length
+        self.scheduler = Scheduler(model, max_draft, self.group, tuning)
+        self.ahead = QueueAhead(self)  # a plain pass queued ahead, if any
         self.clock = PhaseClock(SpecStats())  # phase timings, off by default
-        self._queued = None  # (logits, hidden) of a plain pass queued ahead
         self._verified: Optional[_Verified] = None
         self._next_id = 0
 
@@ -124,6 +131,11 @@ class BatchDecoder:
         return cls(
             decoder.model, 1, decoder.max_draft, row_caches=caches, tuning=tuning
         )
+
+    @property
+    def cost(self):
+        """The model pricing its passes (None before an ``auto`` row joins)."""
+        return self.scheduler.cost
 
     @property
     def caches(self) -> list:
@@ -143,6 +155,11 @@ class BatchDecoder:
     def free(self) -> int:
         return self.n_slots - len(self.rows)
 
+    @property
+    def queued(self) -> bool:
+        """Whether the next pass, a plain one, is already running."""
+        return self.ahead.queued
+
     def _index(self, id: int) -> int:
         for i, r in enumerate(self.rows):
             if r.id == id:
@@ -150,50 +167,41 @@ class BatchDecoder:
         raise KeyError(f"no sequence {id} in the batch")
 
     # -- joining and leaving -------------------------------------------------
-    def add(
-        self,
-        decoder: SpeculativeDecoder,
-        max_tokens: int,
-        sampler=None,
-        num_draft_tokens="auto",
-        verify_costs: Optional[List[float]] = None,
-        stop_tokens: Collection[int] = (),
-        logits_processors: Optional[list] = None,
-        seen: Optional[List[int]] = None,
-    ) -> int:
-        """Move ``decoder`` (fed: one pending token) into the batch; its id.
-        ``logits_processors`` (mlx-lm's) see ``seen`` (default: the
-        decoder's history) and the row's tokens since, as mlx-lm's decoding
-        shows them."""
+    def add(self, decoder: SpeculativeDecoder, options: RowOptions) -> int:
+        """Move ``decoder`` (fed: one pending token) into the batch to decode
+        as ``options`` say; its id."""
         if not decoder.pending:
             raise ValueError("the decoder has no pending token: feed it first")
         if self.free == 0:
             raise RuntimeError(f"all {self.n_slots} slots are in use")
         decoder.update_drafter()
-        self._unqueue()
+        self.ahead.unqueue()
         self.row_caches.join(decoder.cache, len(self.rows))
         if self.row_caches.shared:
             self._join_head(decoder.drafter)
         guard = RowGuard()
-        sampler = guard.sampler(sampler or make_sampler(0.0))
-        processors = guard.processors(logits_processors)
-        seen = list(decoder.history if seen is None else seen)
+        raw = options.sampler or make_sampler(0.0)
+        verification = verification_of(raw)
+        sampler = guard.sampler(raw)
+        processors = guard.processors(options.logits_processors)
+        seen = list(decoder.history if options.seen is None else options.seen)
         if decoder.drafter is not None:
-            choose = make_draft_sampler(sampler, processors, seen)
-            decoder.drafter.set_sampling(guard.chooser(choose))
-        auto = num_draft_tokens == "auto"
-        most = self.max_draft if auto else min(num_draft_tokens, self.max_draft)
-        policy = None
+            choose = make_draft_sampler(sampler, processors, seen, verification)
+            contract.set_sampling(decoder.drafter, guard.chooser(choose))
+        k = options.num_draft_tokens
+        auto = k == "auto"
+        most = self.max_draft if auto else min(k, self.max_draft)
+        acceptance = None
         if auto and decoder.drafter is not None:
-            if self.cost is None:  # one model prices every row's passes
-                self.cost = pass_cost_model(self.model, verify_costs, self.tuning)
-            policy = policies_by_source(self.cost, self.max_draft, self.group)
-            if self.lengths is None and self.n_slots > 1:
-                self.lengths = PassLength(self.cost, self.group)
+            self.scheduler.price(options.verify_costs)
+            acceptance = self.scheduler.acceptance()
         id, self._next_id = self._next_id, self._next_id + 1
-        stops = set(stop_tokens)
-        row = BatchRow(id, decoder, sampler, policy, most, max_tokens, stops)
+        stops = set(options.stop_tokens)
+        row = BatchRow(
+            id, decoder, sampler, acceptance, most, options.max_tokens, stops
+        )
         row.processors, row.seen, row.guard = processors, seen, guard
+        row.verification = verification
         self.rows.append(row)
         return id
 
@@ -206,7 +214,7 @@ class BatchDecoder:
         """Remove sequence ``id``; it leaves as a single-sequence decoder whose
         caches hold exactly what it decoded."""
         b = self._index(id)
-        self._unqueue()
+        self.ahead.unqueue()
         decoder = self.rows.pop(b).decoder
         mtp = head_drafter(decoder.drafter)
         if self.heads is not None and mtp in self.heads:
@@ -230,7 +238,7 @@ class BatchDecoder:
         until taken, and no longer decodes."""
         row = self.rows[self._index(id)]
         if self._verified is None:  # else the pass's commit sees it stop
-            self._unqueue()
+            self.ahead.unqueue()
         row.done = True
 
     def accepted(self, id: int) -> int:
@@ -238,11 +246,6 @@ class BatchDecoder:
         accepted (its first emitted tokens)."""
         b = self._index(id)
         return self._verified.verdicts[b].accepted
-
-    @property
-    def queued(self) -> bool:
-        """Whether the next pass, a plain one, is already running."""
-        return self._queued is not None
 
     # -- one pass ------------------------------------------------------------
     def step(self, queue_ahead: bool = True) -> Dict[int, Tuple[List[int], mx.array]]:
@@ -262,82 +265,60 @@ class BatchDecoder:
             raise RuntimeError("verify() called twice without commit()")
         active = [b for b, r in enumerate(self.rows) if not r.done]
         if len(active) < len(self.rows):
-            self._unqueue()  # a row stopped in the pass that queued this one
+            self.ahead.unqueue()  # a row stopped in the pass that queued this one
         if not active:
             return {}
-        started, clock = time.perf_counter(), self.clock
-        # counts this pass
-        ks = draft_lengths(self.rows, active, self.lengths, self.heads or ())
-        queued, self._queued = self._queued, None
-        if queued is not None:  # it was started over every row's one token
-            ks = dict.fromkeys(active, 0)
-        head_steps, catch_up = 0, 0
-        if self.heads is not None:  # head rows first, all at once
-            drafting = [(self.rows[b].decoder.drafter, k) for b, k in ks.items()]
-            head_steps, catch_up = self.heads.draft_rows(drafting)
-        else:  # a head of its own catches up on its rows as it drafts
-            catch_up = head_catch_up(self.rows, [b for b in active if ks[b]])
-        drafts, seconds = {}, {}  # b -> [m] draft; None: made on the device
-        for b in active:
-            drafts[b], seconds[b] = self.rows[b].draft(ks[b], self.heads)
-        on_device = {b for b in active if seconds[b] is None}  # heads' drafts
-        if self.heads is None:
-            head_steps = max((len(drafts[b]) for b in on_device), default=0)
-            catch_up = catch_up if on_device else 0
-        if not copies_pay(self, drafts, on_device):
-            drafts = dict.fromkeys(active, NO_DRAFT)
-        clock.lap("draft", *(drafts[b] for b in on_device))
-
-        T = 1 + max(len(d) for d in drafts.values())
-        lengths = [0] * len(self.rows)
-        for b in active:
-            lengths[b] = 1 + len(drafts[b])
-        ragged = queued is None and any(n < T for n in lengths)  # some padding
-        if queued is None:
-            self.row_caches.begin(lengths if ragged else None, T)
-        with self.positions.ragged(lengths if ragged else None, T):
-            logits, hidden = queued or self.target.forward_rows(
-                self._pass_inputs(drafts, seconds, T), self.positions
-            )
-        clock.lap("verify", logits, hidden)
-
+        started = time.perf_counter()
+        plan = self.scheduler.plan(self.rows, active, self.heads, self.ahead.take())
+        self.clock.lap(
+            "draft", *(d.tokens for d in plan.drafts.values() if d.on_device)
+        )
+        logits, hidden = plan.queued or self.forward(plan)
+        self.clock.lap("verify", logits, hidden)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, T, V]
-        ahead = queue_ahead and plain_ahead(self, active, T)
-        plain = self._queue_plain(logprobs) if ahead else None
-        verdicts, out = {}, {}
-        for b in active:
-            row, draft = self.rows[b], drafts[b]
+        plain = None
+        if queue_ahead and self.ahead.pays(plan, active):
+            plain = self.ahead.queue(logprobs)
+        out = self.accept(plan, logits, logprobs, plain)
+        self._verified = _Verified(
+            started, plan, hidden, out.verdicts, plain is not None
+        )
+        self.clock.lap("sampling")
+        return out.emitted
+
+    def forward(self, plan: PassPlan) -> Forward:
+        """The target over the plan's ``[B, T]`` inputs: each active row's
+        pending token and its draft, padded at the end (rows not active are
+        padding throughout)."""
+        lengths = plan.padded
+        self.row_caches.begin(lengths, plan.T)
+        with self.positions.ragged(lengths, plan.T):
+            return self.target.forward_rows(self._inputs(plan), self.positions)
+
+    def accept(self, plan: PassPlan, logits, logprobs, plain: Optional[List[int]]):
+        """Each active row's verdict on its draft: greedy or rejection
+        sampling against its own sampler and processors, then what it emits
+        (up to a stop token or its budget); ``plain``: the tokens a queued
+        plain pass already sampled. A row whose sampler or processors raise
+        keeps nothing of the pass and stops."""
+        verdicts, emitted = {}, {}
+        lengths = plan.lengths
+        for b, draft in plan.drafts.items():
+            row = self.rows[b]
+            n = lengths[b]
             try:
-                n, token, scores = row.verify(
-                    draft,
-                    logits[b, : lengths[b]],
-                    logprobs[b, : lengths[b]],
-                    plain is not None,
+                accepted, token, scores = row.verify(
+                    draft, logits[b, :n], logprobs[b, :n], plain is not None
                 )
             except RowFailed:  # it keeps nothing of the pass; the others go on
                 row.done = True
                 continue
             if plain is not None:  # sampled as verify_draft samples a plain pass
-                n, token = 0, plain[b]
-            draft = draft.tolist()
-            emitted = row.truncate(draft[:n] + [token])
-            verdicts[b] = _Verdict(len(draft), n, emitted)
-            out[row.id] = (emitted, scores[: len(emitted)])
-        clock.lap("sampling")
-        contexts = {b: len(self.rows[b].decoder.history) for b in active}
-        drafting = sum(len(d) > 0 for d in drafts.values())
-        context = sum(contexts.values()) // len(contexts)
-        self._verified = _Verified(
-            started,
-            T,
-            hidden,
-            verdicts,
-            contexts,
-            queued is not None,
-            plain is not None,
-            PassShape(len(self.rows), T, drafting, head_steps, catch_up, context),
-        )
-        return out
+                accepted, token = 0, plain[b]
+            tokens = row.truncate(draft.tokens.tolist()[:accepted] + [token])
+            verdicts[b] = _Verdict(len(draft), accepted, tokens)
+            emitted[row.id] = (tokens, scores[: len(tokens)])
+        return _Accepted(verdicts, emitted)
 
     def commit(self, kept_tokens: Optional[Dict[int, int]] = None):
         """Keep what :meth:`verify` emitted. ``kept_tokens``: id -> how many
@@ -356,101 +337,47 @@ class BatchDecoder:
             if j < len(emitted):
                 emitted, row.done = emitted[:j], True
             row.seen.extend(emitted)  # in place: the draft sampler reads it
-            kept[b] = j + (row.done and j <= v.accepted)  # inputs kept
-            if row.policy:  # it learns what drafting costs, as alone
-                row.policy.update(v.drafted, v.accepted)
+            kept[b] = j + (1 if row.done and j <= v.accepted else 0)  # inputs kept
             h = None if p.hidden is None else p.hidden[b]
             row.decoder.advance(v.drafted, v.accepted, emitted, kept[b], h)
+        verdicts = {b: (v.drafted, v.accepted) for b, v in p.verdicts.items()}
+        self.scheduler.learn(self.rows, p.plan, verdicts)
         if not p.queued_next:  # else committed before the next was queued
-            self._commit_caches(kept, p.T)
+            self.row_caches.commit(kept, p.plan.T)
         if self.clock.enabled:
             self.clock.lap("commit", [c.state for c in self.row_caches.caches])
         # A pass that queued the next one without running its own queued
         # forward, or the reverse, did not time one forward.
-        if p.took_queued == p.queued_next:
-            self._observe(p, time.perf_counter() - p.started)
-
-    def _observe(self, p: _Verified, seconds: float):
-        """What the pass cost, for the model that prices the ``auto`` rows'
-        passes; a row alone tells its own policy, which chose the draft
-        length as one sequence does (and spaces its probes by it)."""
-        if self.cost is None:
-            return
-        if len(self.rows) == 1 and self.rows[0].policy is not None:
-            if 0 in p.verdicts:
-                drafted = p.verdicts[0].drafted
-                self.rows[0].policy.observe_pass(
-                    drafted, seconds, p.contexts[0], p.shape
-                )
-            return
-        self.cost.observe(p.shape, seconds)
+        if (p.plan.queued is not None) == p.queued_next:
+            drafted = {b: v.drafted for b, v in p.verdicts.items()}
+            seconds = time.perf_counter() - p.started
+            self.scheduler.observe(p.plan, drafted, seconds)
 
     def settle(self):
         """A pass queued ahead that will not be verified processed each
-        row's last token: keep it, so the caches hold every row's whole
-        history (as mlx-lm's do after its decoding; a row's drafter never
-        saw that token's hidden row, as after a stop token)."""
-        if self._queued is None:
-            return
-        (_, hidden), self._queued = self._queued, None
-        self._commit_caches([1] * len(self.rows), 1)
-        for b, row in enumerate(self.rows):
-            row.decoder.processed = len(row.decoder.history)
-            if hidden is not None:
-                row.decoder.last_hidden = hidden[b]
+        row's last token: keep it (see :meth:`QueueAhead.settle`)."""
+        self.ahead.settle()
 
-    def _commit_caches(self, kept: List[int], T: int):
-        """Every row keeps ``kept[b]`` of the pass's ``T`` inputs (0: the row
-        as before the pass)."""
-        self.row_caches.commit(kept, T)
-
-    def _queue_plain(self, logprobs: mx.array) -> Optional[List[int]]:
-        """Each row's token of this plain pass (logprobs: [B, 1, V]). This
-        pass is committed and the next one, over these tokens, queued before
-        the host waits for them, as mlx-lm decodes: the device computes it
-        while the host does this pass's bookkeeping. None (nothing queued)
-        when a row's sampler fails."""
-        try:
-            choices = mx.concatenate(
-                [row.sampler(logprobs[b]) for b, row in enumerate(self.rows)]
-            )  # [B]
-        except RowFailed:  # that row fails in the pass, which queues nothing
-            return None
-        self._queued = queue_after(choices, logprobs, lambda: self._start_next(choices))
-        return choices.tolist()
-
-    def _start_next(self, choices: mx.array):
-        """This plain pass committed, the next one's forward over ``choices``
-        [B], capturing (a row may join, leave or stop before it is read)."""
-        self._commit_caches([1] * len(self.rows), 1)
-        self.row_caches.begin(None, 1)
-        return self.target.forward_rows(choices[:, None])
-
-    def _unqueue(self):
-        """Roll a queued pass back (rows join, leave or stop): no row keeps a
-        token it was not given. A sequence's own caches took it as a plain
-        decoding step, which does not roll back: it is kept (:meth:`settle`)."""
-        if self._queued is None:
-            return
-        if not self.row_caches.shared:
-            self.settle()
-        else:
-            self._queued = None
-            self._commit_caches([0] * len(self.rows), 1)
-
-    def _pass_inputs(
-        self, drafts: Dict[int, mx.array], seconds: Dict[int, Optional[float]], T: int
-    ) -> mx.array:
+    def _inputs(self, plan: PassPlan) -> mx.array:
         """[B, T] uint32: each active row's pending token and its draft (one
         made on the device written in on the device), padded at the end
         with 0."""
+        T = plan.T
         tokens = [[0] * T for _ in self.rows]
-        for b, draft in drafts.items():
+        for b, draft in plan.drafts.items():
             tokens[b][0] = self.rows[b].decoder.history[-1]
-            if seconds[b] is not None and draft.size:  # on the host already
-                tokens[b][1 : 1 + draft.size] = draft.tolist()
+            if len(draft) and not draft.on_device:  # on the host already
+                tokens[b][1 : 1 + len(draft)] = draft.tokens.tolist()
         inputs = mx.array(tokens, mx.uint32)
-        for b, draft in drafts.items():
-            if seconds[b] is None and draft.size:
-                inputs[b, 1 : 1 + draft.size] = draft
+        for b, draft in plan.drafts.items():
+            if draft.on_device:
+                inputs[b, 1 : 1 + len(draft)] = draft.tokens
         return inputs
+
+
+class _Accepted(NamedTuple):
+    """The verdicts of a pass (row index -> its part) and what each row
+    emits (id -> tokens and their log-probabilities)."""
+
+    verdicts: Dict[int, _Verdict]
+    emitted: Dict[int, Tuple[List[int], mx.array]]

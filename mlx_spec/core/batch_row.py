@@ -9,16 +9,17 @@ tokens stop.
 
 import time
 from dataclasses import dataclass, field
-from typing import Collection, List, Optional, Tuple
+from typing import Collection, List, Optional
 
-import mlx.core as mx
 
+from ..drafters import contract
 from ..drafters.contract import HeadBased
 from .batch_mtp import MTPBatch, head_drafter
-from .policy import SourcePolicies
+from .pass_plan import NO_DRAFT, Draft
+from .policy import RowAcceptance
 from .row_guard import RowFailed, RowGuard
-from .sampling import scored_logprobs
-from .sequence import NO_DRAFT, SpeculativeDecoder
+from .sampling import Verification, scored_logprobs
+from .sequence import SpeculativeDecoder
 from .verify import verify_draft
 
 
@@ -27,7 +28,7 @@ class BatchRow:
     id: int
     decoder: SpeculativeDecoder  # its drafter, history and stats
     sampler: object
-    policy: Optional[SourcePolicies]  # auto: a draft-length policy per source
+    acceptance: Optional[RowAcceptance]  # auto: its drafts' acceptance per source
     max_draft: int
     remaining: int  # tokens it may still emit
     stop_tokens: Collection[int] = field(default_factory=set)
@@ -35,24 +36,21 @@ class BatchRow:
     seen: List[int] = field(default_factory=list)  # the tokens processors see
     done: bool = False
     guard: RowGuard = field(default_factory=RowGuard)  # its callables' failure
+    verification: Verification = Verification.MATCH  # how its drafts are verified
 
-    def draft(
-        self, k: int, heads: Optional[MTPBatch]
-    ) -> Tuple[mx.array, Optional[float]]:
-        """Up to ``k`` drafts ([m], lazy where drafted on the device) and the
-        seconds drafting took on the host (deferred drafter work excluded;
-        None for a draft made on the device, whose work no host timer sees).
-        ``heads``: the batch's MTP heads, which caught this row's up already
-        if it is theirs."""
+    def draft(self, k: int, heads: Optional[MTPBatch]) -> Draft:
+        """Up to ``k`` drafts (lazy where drafted on the device) and the
+        seconds drafting took on the host (deferred drafter work excluded).
+        ``heads``: the engine's MTP heads, which caught this row's up
+        already if it is theirs."""
         d = self.decoder
         if k <= 0:
-            return NO_DRAFT, 0.0
+            return NO_DRAFT
         if head_drafter(d.drafter) not in (heads or ()) and self._reads_head(k):
-            d.drafter.catch_up()
+            contract.catch_up(d.drafter)
         tic = time.perf_counter()
-        draft = d.next_draft(k)
-        on_device = draft.size > 0 and d.drafter.drafted_on_device
-        return draft, None if on_device else time.perf_counter() - tic
+        proposal = d.next_draft(k)
+        return Draft(proposal, time.perf_counter() - tic)
 
     def _reads_head(self, k: int) -> bool:
         """Whether the next draft of ``k`` reads the head's state, which is
@@ -61,7 +59,7 @@ class BatchRow:
         drafter = self.decoder.drafter
         return not isinstance(drafter, HeadBased) or drafter.needs_head_state(k)
 
-    def verify(self, draft: mx.array, logits, logprobs, plain: bool):
+    def verify(self, draft: Draft, logits, logprobs, plain: bool):
         """``(accepted, next token, scores)`` of the row's part of the pass
         (its ``logits`` and ``logprobs`` [1 + len(draft), V]; ``scores``:
         the log-probabilities it samples from); ``plain``: a plain pass
@@ -72,12 +70,14 @@ class BatchRow:
             raise RowFailed(self.guard.error)
         scores = logprobs
         if self.processors:
-            drafted = draft.tolist()  # processors see host token lists
+            drafted = draft.tokens.tolist()  # processors see host token lists
             scores = scored_logprobs(logits, self.seen, drafted, self.processors)
         if plain:
             return 0, None, scores
-        q = self.decoder.drafter.draft_probs if len(draft) else None
-        n, token = verify_draft(draft, scores, self.sampler, q)
+        q = draft.proposal.probs
+        n, token = verify_draft(
+            draft.tokens, scores, self.sampler, q, self.verification
+        )
         return n, token, scores
 
     def truncate(self, emitted: List[int]) -> List[int]:

@@ -10,14 +10,15 @@ from typing import Callable, Collection, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from .batch import BatchDecoder
+from ..drafters import contract
+from .batch import BatchDecoder, RowOptions
 from .policy import most_drafts
 from .policy_tuning import DEFAULT_TUNING, PolicyTuning
-from .sampling import make_draft_sampler, make_sampler
-from .sequence import NO_DRAFT, SpeculativeDecoder
+from .sampling import make_draft_sampler, make_sampler, verification_of
+from .sequence import SpeculativeDecoder
 from .stats import PhaseClock, SpecStats
 
-__all__ = ["NO_DRAFT", "SpeculativeDecoder", "speculative_generate_step"]
+__all__ = ["SpeculativeDecoder", "speculative_generate_step"]
 
 
 def speculative_generate_step(
@@ -66,16 +67,16 @@ def speculative_generate_step(
     if decoder.drafter is not None:
         # How drafts will be chosen decides which of the prompt's rows the
         # drafter judges in hindsight (auto reads them): said before the feed.
+        chosen_by = sampler or make_sampler(0.0)
         choose = make_draft_sampler(
-            sampler or make_sampler(0.0), logits_processors, tokens
+            chosen_by, logits_processors, tokens, verification_of(chosen_by)
         )
-        decoder.drafter.set_sampling(choose)
+        contract.set_sampling(decoder.drafter, choose)
         if num_draft_tokens == "auto":
-            decoder.drafter.hindsight()  # judging on from the prompt's rows
+            contract.judged(decoder.drafter)  # judging on from the prompt's rows
     progress(0, len(tokens))
     decoder.feed(tokens, lambda n: progress(n, len(tokens)))
-    row = engine.add(
-        decoder,
+    options = RowOptions(
         max_tokens,
         sampler,
         num_draft_tokens,
@@ -84,6 +85,7 @@ def speculative_generate_step(
         logits_processors,
         seen=tokens,  # processors see this call's tokens, as mlx-lm's do
     )
+    row = engine.add(decoder, options)
     engine.clock = PhaseClock(decoder.stats, timing)  # the passes, not the prefill
     try:  # a caller that stops early closes us at a yield: GeneratorExit
         first, done = True, False

@@ -19,6 +19,7 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 
 from ..mlx_lm_compat import keeps_random_state
+from .sampling import Sampler
 
 
 class RowFailed(Exception):
@@ -49,15 +50,14 @@ class RowGuard:
 
         return call
 
-    def sampler(self, sampler):
-        """``sampler`` guarded, with its ``greedy`` and ``logits`` (what
-        verification and drafting read) where it has them."""
-        guarded = self._guarded(sampler)
-        if hasattr(sampler, "greedy"):
-            guarded.greedy = sampler.greedy
-        if hasattr(sampler, "logits"):
-            guarded.logits = self._guarded(sampler.logits)
-        return guarded
+    def sampler(self, sampler) -> "GuardedSampler":
+        """``sampler`` guarded, with its distribution's ``logits`` (what
+        rejection sampling and sampled drafts read) where it is a
+        :class:`~.sampling.Sampler`."""
+        logits = sampler.logits if isinstance(sampler, Sampler) else None
+        return GuardedSampler(
+            self._guarded(sampler), None if logits is None else self._guarded(logits)
+        )
 
     def processors(self, processors) -> List[Callable]:
         return [self._guarded(p) for p in processors or ()]
@@ -81,3 +81,18 @@ class RowGuard:
 
         safe_choose.samples = choose.samples  # see contract.DraftChooser
         return safe_choose
+
+
+class GuardedSampler:
+    """A row's sampler and its distribution's logits, each guarded."""
+
+    def __init__(self, sample: Callable, logits: Optional[Callable]):
+        self._sample, self._logits = sample, logits
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return self._sample(logprobs)
+
+    def logits(self, logprobs: mx.array) -> mx.array:
+        if self._logits is None:
+            raise TypeError("this sampler's distribution is not known")
+        return self._logits(logprobs)

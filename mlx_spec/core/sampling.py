@@ -15,6 +15,7 @@ skipped, where mlx-lm's ``apply_top_k`` raises (see :func:`top_k_filter`).
 
 import math
 import numbers
+from enum import Enum
 from typing import List, Optional
 
 import mlx.core as mx
@@ -58,6 +59,25 @@ class Sampler:
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
         return mx.random.categorical(self.logits(logprobs))
+
+
+class Verification(Enum):
+    """How a row's drafts are verified, decided once from its sampler."""
+
+    # Each position sampled, drafts kept while they equal the samples: greedy
+    # decoding, or a sampler whose distribution is not known (XTC, a user's
+    # callable). Exact for deterministic drafts.
+    MATCH = "match"
+    # Leviathan rejection sampling against the sampler's known distribution
+    # (a :class:`Sampler` at temperature > 0) and the draft's q.
+    REJECTION = "rejection"
+
+
+def verification_of(sampler) -> Verification:
+    """How drafts are verified under ``sampler`` (None: greedy)."""
+    if isinstance(sampler, Sampler) and not sampler.greedy:
+        return Verification.REJECTION
+    return Verification.MATCH
 
 
 def top_k_filter(top_k: int):
@@ -183,11 +203,14 @@ def scored_logprobs(
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def make_draft_sampler(sampler, processors, history: List[int]):
-    """How a drafter turns its logits into a draft token.
+def make_draft_sampler(
+    sampler, processors, history: List[int], verification: Verification
+):
+    """How a drafter turns its logits into a draft token, for a row verified
+    as ``verification`` says under ``sampler``.
 
-    Returns None for greedy (or opaque) samplers without logits processors:
-    drafts are then the argmax of the drafter's logits. Otherwise returns
+    Returns None for matched drafts without logits processors: drafts are
+    then the argmax of the drafter's logits. Otherwise returns
     ``choose(logits [V], drafted) -> (token, q)``, which runs the logits
     through the target's processing (logits processors with ``history`` plus
     the tokens drafted so far): greedy, the token is the argmax of the result
@@ -198,7 +221,7 @@ def make_draft_sampler(sampler, processors, history: List[int]):
     extended in place): it is converted to an array once per length, not at
     every draft step (contexts run long).
     """
-    greedy = getattr(sampler, "greedy", True) or not hasattr(sampler, "logits")
+    greedy = verification is Verification.MATCH
     if greedy and not processors:
         return None
     converted = [-1, None]  # the history's length and array when last converted

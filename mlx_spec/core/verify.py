@@ -4,7 +4,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from .sampling import rejection_sample
+from .sampling import Verification, rejection_sample
 
 
 def accept_greedy(draft: Sequence[int], target: Sequence[int]) -> int:
@@ -24,21 +24,19 @@ def verify_draft(
     logprobs: mx.array,
     sampler,
     draft_probs: Optional[mx.array] = None,
+    verification: Verification = Verification.MATCH,
 ) -> Tuple[int, int]:
     """Accepted draft count and the next token, with one host synchronisation.
 
     logprobs: [T, V] target log-probabilities (T = 1 + len(draft)); ``draft``
     may be a lazy array, evaluated in the same synchronisation.
-    Greedy or opaque samplers (no ``logits``): each position is sampled and
-    drafts are kept while they equal the samples (exact for deterministic
-    drafts). A sampler with a known distribution: rejection sampling against
-    ``draft_probs`` [k, V] (None: deterministic drafts).
+    ``Verification.MATCH``: each position is sampled and drafts are kept
+    while they equal the samples (exact for deterministic drafts).
+    ``Verification.REJECTION``: rejection sampling against the sampler's
+    distribution (its ``logits``) and ``draft_probs`` [k, V] (None:
+    deterministic drafts).
     """
-    if (
-        len(draft)
-        and not getattr(sampler, "greedy", True)
-        and hasattr(sampler, "logits")
-    ):
+    if len(draft) and verification is Verification.REJECTION:
         n, token = rejection_sample(
             mx.array(draft), sampler.logits(logprobs), draft_probs
         ).tolist()

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Union
 
 import mlx.core as mx
 
-from ..core.batch import BatchDecoder
+from ..core.batch import BatchDecoder, RowOptions
 from ..core.sequence import SpeculativeDecoder
 from ..core.policy import most_drafts
 from ..core.sampling import make_sampler, xtc_special_tokens
@@ -374,11 +374,13 @@ class Engine:
         output = _Output(j.job, self.tokenizer, j.draft, budget, j.decoder.stats)
         id = batch.add(
             j.decoder,
-            budget,
-            sampler,
-            j.num_draft_tokens,
-            stop_tokens=self.tokenizer.eos_token_ids,
-            logits_processors=make_logits_processors(**p.logits),
+            RowOptions(
+                budget,
+                sampler,
+                j.num_draft_tokens,
+                stop_tokens=self.tokenizer.eos_token_ids,
+                logits_processors=make_logits_processors(**p.logits),
+            ),
         )
         self._live[id] = output
 

@@ -126,8 +126,10 @@ def verifying_with(monkeypatch, wrong_sampler):
     row's own; drafting and plain passes are unchanged."""
     from ..core import batch_row, verify
 
-    def verify_draft(draft, logprobs, sampler, draft_probs=None):
-        return verify.verify_draft(draft, logprobs, wrong_sampler, draft_probs)
+    def verify_draft(draft, logprobs, sampler, draft_probs, verification):
+        return verify.verify_draft(
+            draft, logprobs, wrong_sampler, draft_probs, verification
+        )
 
     monkeypatch.setattr(batch_row, "verify_draft", verify_draft)  # the one engine
 
@@ -147,7 +149,7 @@ def batch_first_tokens(model, rows, n_runs: int, k: int = 3, seed: int = 0):
     """The first three tokens of each of ``rows`` ((prompt, sampler, drafter
     name) each), sampled together in one batch, ``n_runs`` times: a list of
     [n_runs, 3] arrays, and per row its (drafted, accepted) totals."""
-    from ..core.batch import BatchDecoder
+    from ..core.batch import BatchDecoder, RowOptions
     from .reference import fed_decoder
 
     mx.random.seed(seed)
@@ -158,7 +160,7 @@ def batch_first_tokens(model, rows, n_runs: int, k: int = 3, seed: int = 0):
         ids, decoders = [], []
         for prompt, sampler, drafter_name in rows:
             d = fed_decoder(model, prompt, make_drafter(drafter_name, model), k)
-            ids.append(batch.add(d, 3, sampler, k, stop_tokens=()))
+            ids.append(batch.add(d, RowOptions(3, sampler, k, stop_tokens=())))
             decoders.append(d)
         tokens = {b: [] for b in ids}
         for _ in range(10 * k):  # three tokens each: a few passes

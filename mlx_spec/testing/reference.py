@@ -6,7 +6,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..core.batch import BatchDecoder
+from ..core.batch import BatchDecoder, RowOptions
 from ..core.sequence import SpeculativeDecoder
 from ..drafters import make_drafter
 from ..drafters.base import OneDraftWalk
@@ -184,7 +184,7 @@ def decode_alone(
     Nothing is queued ahead, so the decoder is left with its last token
     pending, ready for more."""
     engine = BatchDecoder.alone(decoder)
-    row = engine.add(decoder, max_tokens, sampler, num_draft_tokens)
+    row = engine.add(decoder, RowOptions(max_tokens, sampler, num_draft_tokens))
     out = []
     for _ in range(max_passes or max_tokens):
         if row not in engine.active:

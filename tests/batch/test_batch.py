@@ -3,12 +3,14 @@
 import mlx.core as mx
 import pytest
 
-from mlx_spec.core.batch import BatchDecoder
-from mlx_spec.core.batch_policy import copies_pay
+from mlx_spec.core.batch import BatchDecoder, RowOptions
+from mlx_spec.core.draft_lengths import RowGroup
+from mlx_spec.core.pass_plan import Draft, PassPlan
+from mlx_spec.drafters.contract import DraftSite, Proposal
 from mlx_spec.core.pass_cost import PassCost
 from mlx_spec.core.ragged_cache import RaggedKVCache
 from mlx_spec.drafters import make_drafter
-from mlx_spec.drafters.base import Drafter
+from mlx_spec.drafters.base import HostDrafter
 from mlx_spec.mlx_lm_compat import make_prompt_cache
 from mlx_spec.models import fast_layers
 from mlx_spec.testing.memory import PER_TOKEN_LIMIT, growth_per_token
@@ -65,9 +67,7 @@ def _assert_rows_equal_alone(models, family, kinds):
         drafter = None if kind == "none" else drafter_for(kind, model, prompt, ref)
         b = batch.add(
             fed_decoder(model, prompt, drafter, 5),
-            max_tokens,
-            num_draft_tokens=k,
-            stop_tokens={EOS},
+            RowOptions(max_tokens, num_draft_tokens=k, stop_tokens={EOS}),
         )
         rows[b], want[b] = [], ref
     run_batch(batch, rows)
@@ -87,7 +87,7 @@ def test_rows_join_and_leave_between_passes(models, family):
     def add(p):
         ref = want[tuple(p)]
         d = fed_decoder(model, p, OracleDrafter(p + ref, error=0.2, seed=3))
-        return batch.add(d, 24, num_draft_tokens=4, stop_tokens={EOS})
+        return batch.add(d, RowOptions(24, num_draft_tokens=4, stop_tokens={EOS}))
 
     got = {}
     sa, sb = add(a), add(b)
@@ -120,12 +120,12 @@ def test_a_row_taken_out_holds_plain_decodings_caches(models, family):
     ref = reference_tokens(model, tok, prompt, 13)
     batch = BatchDecoder(model, n_slots=3, max_draft=4)
     other = batch.add(
-        fed_decoder(model, prompts("random"), make_drafter("ngram", model)), 30
+        fed_decoder(model, prompts("random"), make_drafter("ngram", model)),
+        RowOptions(30),
     )
     slot = batch.add(
         fed_decoder(model, prompt, OracleDrafter(prompt + ref, error=0.3)),
-        13,
-        num_draft_tokens=4,
+        RowOptions(13, num_draft_tokens=4),
     )
     tokens = []
     while slot in batch.active:
@@ -147,7 +147,9 @@ def test_the_batch_empties_and_fills_again(models, family):
     batch = BatchDecoder(model, n_slots=2, max_draft=3)
     for prompt in ([5, 6, 7], [9], prompts("mixed", seed=6)):
         want = reference_tokens(model, tok, prompt, 6)
-        id = batch.add(fed_decoder(model, prompt, make_drafter("ngram", model)), 6)
+        id = batch.add(
+            fed_decoder(model, prompt, make_drafter("ngram", model)), RowOptions(6)
+        )
         got = {id: []}
         run_batch(batch, got)
         batch.take(id)
@@ -191,7 +193,7 @@ def test_memory_flat_with_slots_cycling(tmp_path):
     def add_row(round, i):
         prompt = order[10 * i + round : 10 * i + round + 30]
         d = fed_decoder(model, prompt, make_drafter("mtp+ngram", model), 8)
-        return batch.add(d, 150, num_draft_tokens=8)
+        return batch.add(d, RowOptions(150, num_draft_tokens=8))
 
     readings = memory_after_rounds(batch, 6, add_row, 150)
     assert_flat_over_rounds(readings, 2 * 150)
@@ -206,7 +208,7 @@ def test_memory_flat_with_plain_passes_queued(models):
 
     def add_row(round, i):
         prompt = prompts("mixed", seed=10 * round + i)
-        return batch.add(fed_decoder(model, prompt, None), 120)
+        return batch.add(fed_decoder(model, prompt, None), RowOptions(120))
 
     readings = memory_after_rounds(batch, 5, add_row, 120)
     assert_flat_over_rounds(readings, 2 * 120)
@@ -219,9 +221,11 @@ def test_a_long_sequence_joins_a_batch_of_short_ones(models, family):
     batch = BatchDecoder(model, n_slots=3, max_draft=3)
     got, want = {}, {}
     for p in (short, long):
-        want[batch.add(fed_decoder(model, p, make_drafter("ngram", model)), 8)] = (
-            reference_tokens(model, tok, p, 8)
-        )
+        want[
+            batch.add(
+                fed_decoder(model, p, make_drafter("ngram", model)), RowOptions(8)
+            )
+        ] = reference_tokens(model, tok, p, 8)
     got = {id: [] for id in want}
     run_batch(batch, got)
     assert got == want
@@ -235,13 +239,13 @@ def _beside_a_row_drafting_five(model, tok, drafter, verify_costs=None):
     long, short = prompts("mixed", seed=11), prompts("random", seed=12)
     batch = BatchDecoder(model, n_slots=2, max_draft=8)
     sure = OracleDrafter(long + reference_tokens(model, tok, long, 200))
-    fixed = batch.add(fed_decoder(model, long, sure, 8), 200, num_draft_tokens=5)
+    fixed = batch.add(
+        fed_decoder(model, long, sure, 8), RowOptions(200, num_draft_tokens=5)
+    )
     ref = reference_tokens(model, tok, short, 30)
     row = batch.add(
         fed_decoder(model, short, drafter(short, ref), 8),
-        30,
-        stop_tokens={EOS},
-        verify_costs=verify_costs,
+        RowOptions(30, stop_tokens={EOS}, verify_costs=verify_costs),
     )
     got = []
     while row in batch.active:
@@ -303,18 +307,30 @@ def test_a_lone_copy_does_not_pay_for_its_pass(models):
     for i in range(4):
         prompt = prompts("random", seed=30 + i)
         decoder = fed_decoder(model, prompt, OracleDrafter(prompt), 8)
-        batch.add(decoder, 24, verify_costs=_COSTS)
+        batch.add(decoder, RowOptions(24, verify_costs=_COSTS))
     for row in batch.rows:
-        row.policy.select(None).acceptance = lambda: [0.9] * 8
+        row.acceptance.select(None).acceptance = lambda: [0.9] * 8
+    scheduler = batch.scheduler
+
+    def plan(drafts, site=DraftSite.HOST):
+        made = {
+            b: Draft(Proposal(mx.array(d, mx.uint32), None, site))
+            for b, d in drafts.items()
+        }
+        return PassPlan(
+            made, 4, 0, 0, len(prompt), groups=dict.fromkeys(made, RowGroup.COPIES)
+        )
+
     lone = {0: [5, 6, 7], 1: [], 2: [], 3: []}
-    assert not copies_pay(batch, lone)
-    assert copies_pay(batch, {b: [5] for b in range(4)})
-    assert copies_pay(batch, lone, on_device={0})  # the head's
-    batch.lengths.probing = True
-    assert copies_pay(batch, lone)
-    batch.lengths.probing = False
-    batch.rows[0].policy = None  # a fixed draft length
-    assert copies_pay(batch, lone)
+    assert not scheduler.copies_pay(batch.rows, plan(lone))
+    assert scheduler.copies_pay(batch.rows, plan({b: [5] for b in range(4)}))
+    assert scheduler.copies_pay(batch.rows, plan(lone, DraftSite.DEVICE))  # the head's
+    probes = scheduler.lengths.states[RowGroup.COPIES].probes
+    probes.probing = True
+    assert scheduler.copies_pay(batch.rows, plan(lone))
+    probes.probing = False
+    batch.rows[0].acceptance = None  # a fixed draft length
+    assert scheduler.copies_pay(batch.rows, plan(lone))
 
 
 def test_a_head_row_does_not_draft_up_to_a_copy_rows_length(
@@ -342,13 +358,13 @@ def test_a_row_without_a_drafter_decodes_plainly_under_auto(models):
         ref = reference_tokens(model, tok, prompt, 12)
         drafter = draft and make_drafter(draft, model)
         d = fed_decoder(model, prompt, drafter)
-        b = batch.add(d, 12, num_draft_tokens="auto", stop_tokens={EOS})
+        b = batch.add(d, RowOptions(12, num_draft_tokens="auto", stop_tokens={EOS}))
         rows[b], want[b] = [], ref
     run_batch(batch, rows)
     assert rows == want
 
 
-class _NeverRightDrafter(Drafter):
+class _NeverRightDrafter(HostDrafter):
     """Drafts the token after the one the target last chose (on these
     models, hardly ever its next choice); with ``judged``, reports one first
     draft judged wrong in hindsight before every pass."""
@@ -365,8 +381,14 @@ class _NeverRightDrafter(Drafter):
     def draft(self, k):
         return [(self.last + 1) % 256] * k
 
-    def hindsight(self):
+    def hindsight(self):  # with the two below, contract.SelfJudging
         return {None: (0, 1)} if self.judged else {}
+
+    def draft_source(self, k, look=True):
+        return None
+
+    def set_source_paying(self, source, paying):
+        pass
 
 
 @pytest.mark.parametrize("judged", [True, False])
@@ -378,7 +400,7 @@ def test_rows_judged_in_hindsight_are_not_probed(models, judged):
     batch = BatchDecoder(model, n_slots=2, max_draft=4)
     for seed in (1, 2):
         d = fed_decoder(model, prompts("mixed", seed=seed), _NeverRightDrafter(judged))
-        batch.add(d, 150, verify_costs=[0.01 + 0.002 * t for t in range(9)])
+        batch.add(d, RowOptions(150, verify_costs=[0.01 + 0.002 * t for t in range(9)]))
     drafted = []
     while batch.active:
         before = sum(r.decoder.stats.drafted for r in batch.rows)

@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 
-from mlx_spec.core.batch import BatchDecoder
+from mlx_spec.core.batch import BatchDecoder, RowOptions
 from mlx_spec.models.packed import PassRows, _PackedMLP, pack_positions
 from mlx_spec.testing.reference import (
     OracleDrafter,
@@ -79,7 +79,9 @@ def test_ragged_batch_passes_compute_the_tokens_only(models, family, monkeypatch
         prompt = prompts("mixed", seed=seed)
         ref = reference_tokens(model, tok, prompt, 12)
         drafter = OracleDrafter(prompt + ref, error=0.3, seed=seed)
-        row = batch.add(fed_decoder(model, prompt, drafter, 4), 12, num_draft_tokens=k)
+        row = batch.add(
+            fed_decoder(model, prompt, drafter, 4), RowOptions(12, num_draft_tokens=k)
+        )
         got[row], want[row] = [], ref
     run_batch(batch, got)
     assert got == want

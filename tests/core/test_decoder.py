@@ -12,7 +12,7 @@ from mlx_spec.testing.reference import (
     prompts,
     reference_tokens,
 )
-from mlx_spec.core.batch import BatchDecoder
+from mlx_spec.core.batch import BatchDecoder, RowOptions
 
 TURNS = [
     prompts("mixed", seed=1),
@@ -109,7 +109,7 @@ def test_feed_rejects_empty_and_step_needs_tokens(models):
     with pytest.raises(ValueError, match="empty"):
         decoder.feed([])
     with pytest.raises(ValueError, match="feed it first"):
-        BatchDecoder.alone(decoder).add(decoder, 8)
+        BatchDecoder.alone(decoder).add(decoder, RowOptions(8))
 
 
 @pytest.mark.parametrize("drafter_kind", ["none", "ngram-off", "auto-off"])

@@ -6,7 +6,7 @@ or leave while a pass is queued roll it back."""
 
 import mlx.core as mx
 
-from mlx_spec.core.batch import BatchDecoder
+from mlx_spec.core.batch import BatchDecoder, RowOptions
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.drafters import make_drafter
 from mlx_spec.mlx_lm_compat import make_prompt_cache
@@ -47,22 +47,22 @@ def test_decoder_evaluates_the_token_apart(models, family, monkeypatch):
     decoder = SpeculativeDecoder(model, None, max_draft=4)
     decoder.feed(prompts("mixed"))
     engine = BatchDecoder.alone(decoder)
-    engine.add(decoder, 8, num_draft_tokens=0)
+    engine.add(decoder, RowOptions(8, num_draft_tokens=0))
     calls = _record_async_evals(monkeypatch)
     engine.step()
     assert engine.queued, "the next plain pass was not queued"
-    assert _token_evaluated_apart(calls, engine._queued), calls
+    assert _token_evaluated_apart(calls, engine.ahead.forward), calls
 
 
 def test_batch_evaluates_the_tokens_apart(models, monkeypatch):
     model, _ = models["qwen3_next"]
     batch = BatchDecoder(model, n_slots=2, max_draft=4)
     for seed in (1, 2):
-        batch.add(fed_decoder(model, prompts("mixed", seed=seed), None), 8)
+        batch.add(fed_decoder(model, prompts("mixed", seed=seed), None), RowOptions(8))
     calls = _record_async_evals(monkeypatch)
     batch.step()
     assert batch.queued, "the next plain pass was not queued"
-    assert _token_evaluated_apart(calls, batch._queued), calls
+    assert _token_evaluated_apart(calls, batch.ahead.forward), calls
 
 
 def test_plain_passes_are_queued_and_undone_when_rows_change(models, family):
@@ -79,7 +79,7 @@ def test_plain_passes_are_queued_and_undone_when_rows_change(models, family):
     got = {}
 
     def add(p, stops=()):
-        id = batch.add(fed_decoder(model, p, None), 20, stop_tokens=stops)
+        id = batch.add(fed_decoder(model, p, None), RowOptions(20, stop_tokens=stops))
         got[id] = []
         return id
 
@@ -113,7 +113,7 @@ def test_a_row_drafting_a_fixed_length_queues_nothing(models):
     rows, want = {}, {}
     for prompt, draft in ((prompts("mixed"), None), (prompts("random"), "ngram")):
         d = fed_decoder(model, prompt, draft and make_drafter(draft, model))
-        rows[batch.add(d, 12, num_draft_tokens=3)] = []
+        rows[batch.add(d, RowOptions(12, num_draft_tokens=3))] = []
         want[len(rows) - 1] = reference_tokens(model, tok, prompt, 12)
     queued = []
     while batch.active:

@@ -6,14 +6,15 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from mlx_spec.core.batch import BatchDecoder
-from mlx_spec.core.batch_policy import PassLength, head_catch_up
-from mlx_spec.core.cost_profile import as_cost_profile
-from mlx_spec.core.pass_cost import PassCost, PassShape
 from dataclasses import replace
 
+from mlx_spec.core.batch import BatchDecoder, RowOptions
+from mlx_spec.core.cost_profile import SHORT_CONTEXT, as_cost_profile
+from mlx_spec.core.draft_lengths import Candidate, DraftLengths, PassRequest, RowGroup
+from mlx_spec.core.pass_cost import PassCost, PassShape
 from mlx_spec.core.policy_tuning import DEFAULT_TUNING as TUNING
-from mlx_spec.drafters.base import Drafter
+from mlx_spec.core.scheduler import head_catch_up
+from mlx_spec.drafters.base import HostDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.testing.reference import fed_decoder, prompts
@@ -22,8 +23,53 @@ from mlx_spec.testing.reference import fed_decoder, prompts
 PROFILE = [0.005 + 0.001 * T for T in range(1, 10)]
 
 
-def _length(tuning=TUNING) -> PassLength:
-    return PassLength(PassCost(as_cost_profile(PROFILE), tuning=tuning))
+class _Lengths:
+    """The batch's choice as these tests ask it: the pair ``(k, k_h)`` for
+    rows copying (``auto``) and rows drafting with the head (``head``), each
+    given as (acceptance, most drafts), with their probes at ``k = 0``; the
+    rows' evidence is ample and cost probes are off, so neither a depth
+    probe nor a plain pass for timing stands in the way of the pair."""
+
+    def __init__(self, tuning=TUNING):
+        tuning = replace(tuning, depth_evidence=0.0, plain_probe_weight=0.0)
+        self.lengths = DraftLengths(PassCost(as_cost_profile(PROFILE), tuning=tuning))
+        self.cost = self.lengths.cost
+
+    def choose(
+        self,
+        rows,
+        auto,
+        fixed=0,
+        others=0.0,
+        head=(),
+        head_fixed=0,
+        head_catch_up=0,
+        context=SHORT_CONTEXT,
+        others_drafting=0,
+    ):
+        ample = [100.0] * 8
+        candidates = tuple(
+            Candidate(RowGroup.COPIES, a, ample, cap) for a, cap in auto
+        ) + tuple(Candidate(RowGroup.HEAD, a, ample, cap) for a, cap in head)
+        request = PassRequest(
+            rows,
+            candidates,
+            fixed,
+            others,
+            others_drafting,
+            head_fixed,
+            head_catch_up,
+            context,
+        )
+        chosen = self.lengths.choose(request)
+        return chosen[RowGroup.COPIES], chosen[RowGroup.HEAD]
+
+    def next_is_plain(self) -> bool:
+        return self.lengths.next_is_plain()
+
+
+def _length(tuning=TUNING) -> _Lengths:
+    return _Lengths(tuning)
 
 
 def _shape(rows, T, head_steps=0, catch_up=0) -> PassShape:
@@ -31,11 +77,11 @@ def _shape(rows, T, head_steps=0, catch_up=0) -> PassShape:
     return PassShape(rows, T, rows if T > 1 else 0, head_steps, catch_up)
 
 
-def _observe(length: PassLength, rows, T, seconds, head_steps=0, catch_up=0):
+def _observe(length: _Lengths, rows, T, seconds, head_steps=0, catch_up=0):
     length.cost.observe(_shape(rows, T, head_steps, catch_up), seconds)
 
 
-def _cost(length: PassLength, rows, T, head_steps=0, catch_up=0) -> float:
+def _cost(length: _Lengths, rows, T, head_steps=0, catch_up=0) -> float:
     return length.cost.cost(_shape(rows, T, head_steps, catch_up))
 
 
@@ -142,7 +188,7 @@ def test_a_head_step_is_not_charged_with_the_catch_up_before_it():
     assert step == pytest.approx(0.005, rel=0.1)
 
 
-def _fitted_with_catch_ups() -> PassLength:
+def _fitted_with_catch_ups() -> _Lengths:
     """Four rows, passes of 12 ms + 2 ms per position + 1 ms a head step +
     0.1 ms per position the head catches up."""
     policy = _length()
@@ -215,7 +261,7 @@ def test_the_catch_up_counts_every_member_padded_to_the_longest():
     assert head_catch_up(rows, [3]) == head_catch_up(rows, []) == 0
 
 
-class _NothingToCopy(Drafter):
+class _NothingToCopy(HostDrafter):
     """A copy drafter whose index never matches; ``says``: it tells the batch
     so (``can_draft``), else it is as unknown as any custom drafter."""
 
@@ -245,9 +291,9 @@ def test_rows_with_nothing_to_copy_queue_their_plain_passes(models, says):
     batch = BatchDecoder(model, n_slots=4, max_draft=8)
     for i in range(4):
         prompt = prompts("random", seed=30 + i)
-        batch.add(fed_decoder(model, prompt, _NothingToCopy(says), 8), 24)
+        batch.add(fed_decoder(model, prompt, _NothingToCopy(says), 8), RowOptions(24))
     for row in batch.rows:
-        row.policy.select(None).acceptance = lambda: [0.9] * 8
+        row.acceptance.select(None).acceptance = lambda: [0.9] * 8
     queued = []
     for _ in range(8):
         batch.step()
@@ -274,7 +320,8 @@ def test_the_pair_chosen_is_the_first_fastest_by_the_cost_model():
 
     for _ in range(300):
         policy = _length()
-        policy.probes.every = 10**9
+        for state in policy.lengths.states.values():
+            state.probes.every = 10**9
         for _ in range(rng.randrange(40)):
             _observe(
                 policy,

@@ -12,7 +12,7 @@ import pytest
 
 import mlx_spec.core.verify_profile as verify_profile
 from mlx_spec.core.cost_profile import CostProfile
-from mlx_spec.core.policy import policies_by_source
+from mlx_spec.testing.one_row import OneRow
 from dataclasses import replace
 
 from mlx_spec.core.policy_tuning import DEFAULT_TUNING as TUNING
@@ -31,7 +31,7 @@ def drafted_per_pass(profile, passes=PASSES, acceptance=0.75, seed=0, tuning=TUN
     probability ``acceptance``, every pass timed as the quiet machine runs
     it; one entry per pass."""
     rng = random.Random(seed)
-    policies = policies_by_source(profile, tuning=tuning)
+    policies = OneRow(profile, tuning=tuning)
     drafts = []
     for _ in range(passes):
         k = policies.choose(8, 32)
@@ -119,7 +119,7 @@ def test_a_corrected_profile_is_written_back_and_read_by_the_next_process(
 
     monkeypatch.setattr(verify_profile, "measure_verify_costs", measure)
     model, _ = models["qwen3_5"]
-    policies = policies_by_source(verify_profile.cost_profile(model))
+    policies = OneRow(verify_profile.cost_profile(model))
     for _ in range(TUNING.heal_window + 1):  # the first pass warms up
         policies.choose(0, 32)
         policies.observe_pass(0, QUIET[0], 32)

@@ -6,7 +6,6 @@ import pytest
 
 from mlx_spec.core.cost_profile import CostProfile, as_cost_profile
 from mlx_spec.core.pass_cost import PassCost, PassShape
-from mlx_spec.core.policy import pass_cost_model, policies_by_source
 
 # One sequence's verify forward: 6 ms plus 1 ms per token (T = 1..9).
 PROFILE = [0.006 + 0.001 * t for t in range(9)]
@@ -106,22 +105,27 @@ def test_a_one_row_pass_under_the_profile_heals_it_and_restarts_the_fit():
     assert cost.cost(PassShape()) == pytest.approx(0.003, rel=0.05)
 
 
-def test_every_source_and_the_batch_share_one_model(models):
-    """A sequence's per-source policies price passes by one model; in a
-    batch, every row's policies and the shared length use the batch's."""
-    from mlx_spec.core.batch import BatchDecoder
+def test_every_row_of_a_batch_is_priced_by_one_model(models):
+    """The rows' own estimates hold acceptance only: the one choice function
+    of the batch prices every pass by the batch's one model."""
+    from mlx_spec.core.batch import BatchDecoder, RowOptions
     from mlx_spec.drafters.ngram import NgramDrafter
     from mlx_spec.testing.reference import fed_decoder, prompts
 
     model, _ = models["qwen3_next"]
-    policies = policies_by_source(pass_cost_model(model))
-    assert policies.select("mtp").cost is policies.select("ngram").cost
     batch = BatchDecoder(model, n_slots=2, max_draft=4)
+    assert batch.cost is None  # before an auto row: nothing to price
     for seed in (1, 2):
         prompt = prompts("repetitive", seed=seed)
-        batch.add(fed_decoder(model, prompt, NgramDrafter(), 4), 8)
-    costs = {id(r.policy.select(s).cost) for r in batch.rows for s in ("ngram", None)}
-    assert costs == {id(batch.cost)} and batch.lengths.cost is batch.cost
+        costs = [1e-3 * (1 + 0.2 * t) for t in range(9)]  # not the model's own
+        options = RowOptions(8, verify_costs=costs)
+        batch.add(fed_decoder(model, prompt, NgramDrafter(), 4), options)
+    assert batch.scheduler.lengths.cost is batch.cost is not None
+    assert all(not hasattr(r.acceptance, "cost") for r in batch.rows)
+    fitted = batch.cost.weight
+    while batch.active:
+        batch.step(queue_ahead=False)
+    assert batch.cost.weight > fitted  # its passes, timed into the one model
 
 
 def test_a_sequence_tells_the_model_its_head_steps_and_catch_up(models, monkeypatch):

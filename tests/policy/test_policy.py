@@ -12,7 +12,8 @@ from dataclasses import replace
 
 from mlx_spec.core.policy_tuning import DEFAULT_TUNING as TUNING
 import mlx_spec.core.verify_profile as verify_profile
-from mlx_spec.core.policy import DraftLengthPolicy, SourcePolicies
+from mlx_spec.core.draft_lengths import DraftLengths
+from mlx_spec.testing.one_row import OneRow
 from mlx_spec.drafters.base import MAX_AUTO_DRAFT_TOKENS
 from mlx_spec.testing.reference import (
     OracleDrafter,
@@ -23,7 +24,7 @@ from mlx_spec.testing.reference import (
 
 
 def test_never_accepted_drafts_switch_speculation_off():
-    policy = DraftLengthPolicy([1 + 0.05 * t for t in range(9)])
+    policy = OneRow([1 + 0.05 * t for t in range(9)])
     choices = []
     for _ in range(64):
         k = policy.choose(8)
@@ -38,7 +39,7 @@ def test_failed_probes_back_off_and_an_accepted_one_resets_them():
     """Probes cost the drafter's catch-up: each rejected probe doubles the
     wait before the next, up to MAX_PROBE_EVERY; with this much evidence an
     accepted probe brings back the short interval."""
-    p = DraftLengthPolicy([1 + 0.1 * t for t in range(9)])
+    p = OneRow([1 + 0.1 * t for t in range(9)])
     for _ in range(10):
         p.update(1, 0)
     probes = []
@@ -61,8 +62,8 @@ def test_accepted_probes_follow_each_other_until_there_is_evidence():
     accepted probe, but only until the first position has
     PROBE_STREAK_EVIDENCE passes of evidence: then the cost decides (here
     drafts cost too much to pay even when accepted) and spaces the probes."""
-    p = DraftLengthPolicy([1 + 0.8 * t for t in range(9)])
-    probes, k = [], 0
+    p = OneRow([1 + 0.8 * t for t in range(9)])
+    probes, k = [], None  # before a first choice, nothing is predicted
     for i in range(80):
         predicted, after_plain = p.next_is_plain(), k == 0
         k = p.choose(8)
@@ -84,7 +85,7 @@ def test_probes_are_spaced_by_what_they_cost(probe_ms, wait):
     about 67 plain passes, so that probes cost PROBE_BUDGET (3%) of the time; a cheap
     one (the control: what the profile says a 2-token pass costs) by
     TUNING.probe_every."""
-    p = DraftLengthPolicy([10e-3 + 0.8e-3 * t for t in range(9)])
+    p = OneRow([10e-3 + 0.8e-3 * t for t in range(9)])
     for _ in range(40):
         p.update(1, 0)  # drafts (nearly) never accepted: k = 0 but for probes
     for k in (0, 0, 0, 1):  # the first pass of each shape is a warm-up
@@ -110,7 +111,7 @@ def test_the_first_probe_after_drafting_stops_waits_by_what_drafts_cost():
     control: passes as cheap as the profile says, 12 ms, TUNING.probe_every)."""
     waits = []
     for drafting_ms in (25.0, 12.0):
-        p = DraftLengthPolicy([10e-3 + 1e-3 * t for t in range(9)])
+        p = OneRow([10e-3 + 1e-3 * t for t in range(9)])
         for k in (0, 0, 2, 2) * 10:
             p.update(k, k)
             p.observe_pass(k, 1e-3 * (drafting_ms if k else 10.0))
@@ -136,7 +137,7 @@ def test_a_first_drafts_cost_is_not_charged_to_every_draft():
     The fit takes a first draft's extra cost as mostly fixed, so longer drafts
     are tried, timed and kept."""
     rng = random.Random(0)
-    p = DraftLengthPolicy([10e-3] * 9)
+    p = OneRow([10e-3] * 9)
     choices = []
     for _ in range(300):
         k = p.choose(8)
@@ -150,7 +151,7 @@ def test_a_first_drafts_cost_is_not_charged_to_every_draft():
 def test_next_is_plain_predicts_the_next_choice():
     """A plain pass is queued only when the next choice will be k = 0: the
     prediction must agree with ``choose`` on every pass, probes included."""
-    p = DraftLengthPolicy([1 + 0.5 * t for t in range(9)])
+    p = OneRow([1 + 0.5 * t for t in range(9)])
     for _ in range(10):
         p.update(1, 0)
     p.choose(8)
@@ -160,9 +161,7 @@ def test_next_is_plain_predicts_the_next_choice():
         assert predicted == (k == 0)
         p.update(k, 0)
     # Cheap drafts: a source drafts on its prior until its drafts fail.
-    sources = SourcePolicies(
-        lambda source: DraftLengthPolicy([1 + 0.05 * t for t in range(9)])
-    )
+    sources = OneRow([1 + 0.05 * t for t in range(9)])
     assert sources.choose(8, 32, "mtp") > 0 and not sources.next_is_plain()
     for _ in range(50):  # drafts never accepted
         sources.update(sources.choose(8, 32, "mtp"), 0)
@@ -174,7 +173,7 @@ def test_next_is_plain_predicts_the_next_choice():
 
 
 def test_always_accepted_drafts_use_the_longest_useful_draft():
-    policy = DraftLengthPolicy([1.0] * 9)  # a verify costs the same for any T
+    policy = OneRow([1.0] * 9)  # a verify costs the same for any T
     for _ in range(20):
         policy.update(policy.choose(8), policy.last_choice)
     assert policy.choose(8) == 8
@@ -183,7 +182,7 @@ def test_always_accepted_drafts_use_the_longest_useful_draft():
 
 def test_costly_verify_needs_high_acceptance():
     costs = [float(t) for t in range(1, 10)]  # a T-token verify costs T steps
-    policy = DraftLengthPolicy(costs)
+    policy = OneRow(costs)
     for _ in range(40):
         k = max(policy.choose(8), 1)
         policy.update(k, k - 1)  # most but not all drafts accepted
@@ -196,7 +195,7 @@ def test_what_passes_really_take_enters_the_choice():
     acceptance one draft does not pay. Passes that really take 10 ms more
     (host work the profile does not see) make the verify's share small: it pays."""
     costs = [1e-3 * (1 + t) for t in range(9)]
-    policy = DraftLengthPolicy(costs)
+    policy = OneRow(costs)
     for _ in range(40):
         for n in (1, 1, 1, 0, 0):
             policy.update(1, n)
@@ -218,7 +217,7 @@ def test_a_few_stalled_passes_do_not_price_the_rest(bound):
     extra stays under 18 ms, where a draft at ~0.5 acceptance (a 2-token
     verify: 2.5x) never pays. In full (the control) it drafts for a while."""
     tuning = replace(TUNING, stall_bound=bound)
-    p = DraftLengthPolicy([12e-3 + 18e-3 * t for t in range(9)], tuning=tuning)
+    p = OneRow([12e-3 + 18e-3 * t for t in range(9)], tuning=tuning)
     for _ in range(20):
         p.update(1, 1)
         p.update(1, 0)
@@ -241,7 +240,7 @@ def test_drafting_time_seen_only_in_whole_passes_is_learned():
     """A lazy draft's device time is invisible to the host timer (draft cost
     0 here) but shows in what passes take: 2 ms more per draft. Then one draft
     at 50% acceptance (1.5 tokens for 3x the time) no longer pays."""
-    policy = DraftLengthPolicy([1e-3] * 9)  # verify costs the same for any T
+    policy = OneRow([1e-3] * 9)  # verify costs the same for any T
     for _ in range(20):
         policy.update(1, 1)
         policy.update(1, 0)
@@ -259,7 +258,7 @@ def test_verify_cost_grows_with_context_between_the_profiles():
     c0, c1 = policy.SHORT_CONTEXT, 3000
     short = [1.0 + 0.1 * t for t in range(9)]
     long = [s + 0.01 * (t + 1) * (c1 - c0) / 1000 for t, s in enumerate(short)]
-    p = DraftLengthPolicy(short, long_profile=(c1, long))
+    p = OneRow(short, long_profile=(c1, long))
     assert p.verify_cost(0, c0) == pytest.approx(short[0])
     assert p.verify_cost(4, c1) == pytest.approx(long[4])
     # linear in context beyond the long profile: +1000 tokens, +0.01 s per token verified
@@ -277,7 +276,7 @@ def gpu_like_costs(monkeypatch):
     """Pin the verify-cost profile (a T-token verify costs 1 + 0.05 (T-1) steps,
     the shape of a memory-bound GPU decode) and ignore the passes' own timings,
     so decisions do not depend on how busy this machine is."""
-    monkeypatch.setattr(DraftLengthPolicy, "observe_pass", lambda *a, **k: None)
+    monkeypatch.setattr(DraftLengths, "observe", lambda *a, **k: None)
     # A fresh cache: the model's cost profile, built by an earlier test and
     # corrected by its timed passes, would otherwise stand for the pinned one.
     monkeypatch.setattr(verify_profile, "_profiles", {})
@@ -320,7 +319,7 @@ def test_auto_is_lossless_and_follows_acceptance(
 def test_drafting_passes_are_anchored_by_timed_plain_passes():
     """While drafting pays, a pass without drafts is still timed now and then
     (about one in 28), so the cost of k = 0 is measured, not extrapolated."""
-    policy = DraftLengthPolicy([1e-3] * 9)
+    policy = OneRow([1e-3] * 9)
     for _ in range(20):
         policy.update(2, 2)
     choices = []
@@ -342,19 +341,19 @@ def test_passes_are_learned_at_the_context_they_ran_at(models, monkeypatch):
     extra verify cost would be counted twice (in the fit and in the profile)."""
     model, tok = models["qwen3_next"]
     chosen, observed = [], []
-    choose, observe = DraftLengthPolicy.choose, DraftLengthPolicy.observe_pass
+    choose, observe = DraftLengths.choose, DraftLengths.observe
 
-    def spy_choose(self, limit, context=policy.SHORT_CONTEXT, catch_up=0):
-        chosen.append(context)
-        return choose(self, limit, context, catch_up)
+    def spy_choose(self, request):
+        chosen.append(request.context)
+        return choose(self, request)
 
-    def spy_observe(self, n_drafted, seconds, context, shape):
-        observed.append((chosen[-1], context))  # the pass's own choice
-        assert shape.context == context and shape.rows == 1
-        return observe(self, n_drafted, seconds, context, shape)
+    def spy_observe(self, shape, seconds, drafted):
+        observed.append((chosen[-1], shape.context))  # the pass's own choice
+        assert shape.rows == 1
+        return observe(self, shape, seconds, drafted)
 
-    monkeypatch.setattr(DraftLengthPolicy, "choose", spy_choose)
-    monkeypatch.setattr(DraftLengthPolicy, "observe_pass", spy_observe)
+    monkeypatch.setattr(DraftLengths, "choose", spy_choose)
+    monkeypatch.setattr(DraftLengths, "observe", spy_observe)
     prompt = prompts("mixed")
     spec_tokens(model, tok, prompt, 12, draft="ngram", num_draft_tokens="auto")
     assert len(observed) >= 2 and all(c == o for c, o in observed), observed
@@ -378,7 +377,7 @@ def test_passes_are_timed_only_over_their_own_forward(models, monkeypatch):
     sequence = prompt + reference_tokens(model, tok, prompt, 60)
     forwards, window, observed = [0], [0], []
     forward, verify = Target.forward_rows, BatchDecoder.verify
-    observe = DraftLengthPolicy.observe_pass
+    observe = DraftLengths.observe
 
     def count_forward(self, *args):
         forwards[0] += 1
@@ -388,13 +387,13 @@ def test_passes_are_timed_only_over_their_own_forward(models, monkeypatch):
         window[0] = forwards[0]
         return verify(self, *args, **kwargs)
 
-    def spy_observe(self, n_drafted, seconds, context, shape):
-        observed.append((n_drafted, forwards[0] - window[0]))
-        return observe(self, n_drafted, seconds, context, shape)
+    def spy_observe(self, shape, seconds, drafted):
+        observed.append((sum(drafted.values()), forwards[0] - window[0]))
+        return observe(self, shape, seconds, drafted)
 
     monkeypatch.setattr(Target, "forward_rows", count_forward)
     monkeypatch.setattr(BatchDecoder, "verify", mark_verify)
-    monkeypatch.setattr(DraftLengthPolicy, "observe_pass", spy_observe)
+    monkeypatch.setattr(DraftLengths, "observe", spy_observe)
     steps = speculative_generate_step(
         mx.array(prompt),
         model,

@@ -4,7 +4,7 @@ poor is tested again while one more draft looks nearly as good."""
 from dataclasses import replace
 
 from mlx_spec.core.policy_tuning import DEFAULT_TUNING
-from mlx_spec.core.policy import DraftLengthPolicy
+from mlx_spec.testing.one_row import OneRow
 
 
 def _passes_with_a_second_position(policy, second_accepted: bool, passes: int):
@@ -29,16 +29,16 @@ def test_a_second_draft_that_became_reliable_is_found():
     the second draft again while a longer draft looks nearly as good, so the
     policy learns that it is now always accepted (2.5 tokens per 2.2)."""
     costs = [1 + 0.6 * t for t in range(9)]
-    choices = _passes_with_a_second_position(DraftLengthPolicy(costs), True, 200)
+    choices = _passes_with_a_second_position(OneRow(costs), True, 200)
     assert sum(k >= 2 for k in choices[-50:]) >= 40
     shallow = replace(DEFAULT_TUNING, depth_evidence=0.0)  # no depth probes
-    policy = DraftLengthPolicy(costs, tuning=shallow)
+    policy = OneRow(costs, tuning=shallow)
     choices = _passes_with_a_second_position(policy, True, 200)
     assert max(choices[-150:]) == 1
 
 
 def test_depth_probes_of_a_useless_second_draft_are_rare():
     costs = [1 + 0.6 * t for t in range(9)]
-    choices = _passes_with_a_second_position(DraftLengthPolicy(costs), False, 200)
+    choices = _passes_with_a_second_position(OneRow(costs), False, 200)
     assert set(choices[-100:]) <= {1, 2}
     assert sum(k == 2 for k in choices[-100:]) <= 8

@@ -1,7 +1,7 @@
 """``auto`` per draft source: each its own length, the MTP head judged in
 hindsight, the drafter told which sources pay."""
 
-from mlx_spec.core.policy import DraftLengthPolicy, SourcePolicies
+from mlx_spec.testing.one_row import OneRow
 
 
 def test_each_draft_source_has_its_own_draft_length():
@@ -10,8 +10,8 @@ def test_each_draft_source_has_its_own_draft_length():
     one policy for both (the negative control) learns a mixed acceptance that
     is too low for the copies to be drafted at all."""
     costs = [1e-3 * (1 + 0.5 * t) for t in range(9)]
-    split = SourcePolicies(lambda source: DraftLengthPolicy(costs))
-    mixed = DraftLengthPolicy(costs)
+    split = OneRow(costs)  # per source
+    mixed = OneRow(costs)  # every pass under one source
     chosen = {(p, s): [] for p in ("split", "mixed") for s in ("ngram", "mtp")}
     for i in range(300):
         source = "ngram" if i % 2 else "mtp"
@@ -28,7 +28,7 @@ def test_each_draft_source_has_its_own_draft_length():
 
 
 def _switched_off(policy, source=None):
-    """Drive ``policy`` (a SourcePolicies when ``source``) to k = 0."""
+    """Drive ``policy`` (its ``source``'s passes) to k = 0."""
     for _ in range(60):
         k = policy.choose(8, 32, source) if source else policy.choose(8)
         policy.update(k, 0)
@@ -37,9 +37,7 @@ def _switched_off(policy, source=None):
 
 def test_first_drafts_judged_in_hindsight_switch_drafting_back_on():
     costs = [1e-3 * (1 + 0.3 * t) for t in range(9)]
-    good, bad = _switched_off(DraftLengthPolicy(costs)), _switched_off(
-        DraftLengthPolicy(costs)
-    )
+    good, bad = _switched_off(OneRow(costs)), _switched_off(OneRow(costs))
     assert good.best == bad.best == 0
     good.observe_hindsight(60, 64)  # the head would have been right 94% of the time
     bad.observe_hindsight(4, 64)  # control: right 6% of the time
@@ -53,7 +51,7 @@ def test_first_drafts_judged_in_hindsight_stand_in_for_probes():
     is never probed, and its next pass is known to be plain. Control: the
     same policy without the judging probes after ``probe_every`` passes."""
     costs = [1e-3 * (1 + 0.3 * t) for t in range(9)]
-    judged, control = (_switched_off(DraftLengthPolicy(costs)) for _ in range(2))
+    judged, control = (_switched_off(OneRow(costs)) for _ in range(2))
     ks = {"judged": [], "control": []}
     plain = []
     for _ in range(3 * control.probe_every):
@@ -68,6 +66,11 @@ def test_first_drafts_judged_in_hindsight_stand_in_for_probes():
 
 
 class _JudgingDrafter:
+    """A drafter of two sources that judges its first drafts in hindsight
+    (``contract.SelfJudging``)."""
+
+    name, needs_hidden = "judging", False
+
     def __init__(self, evidence):
         self.evidence, self.paying = evidence, {}
 
@@ -75,15 +78,16 @@ class _JudgingDrafter:
         evidence, self.evidence = self.evidence, {}
         return evidence
 
+    def draft_source(self, k, look=True):
+        return None
+
     def set_source_paying(self, source, paying):
         self.paying[source] = paying
 
 
 def test_exchange_learns_hindsight_and_tells_which_sources_pay():
     costs = [1e-3 * (1 + 0.05 * t) for t in range(9)]  # drafts cheap
-    sources = _switched_off(
-        SourcePolicies(lambda source: DraftLengthPolicy(costs)), "mtp"
-    )
+    sources = _switched_off(OneRow(costs), "mtp")
     sources.choose(8, 32, "ngram")  # a copy source, drafting on its prior
     drafter = _JudgingDrafter({})
     sources.exchange(drafter)
@@ -93,17 +97,15 @@ def test_exchange_learns_hindsight_and_tells_which_sources_pay():
     assert sources.choose(8, 32, "mtp") > 0
     sources.exchange(drafter)
     assert drafter.paying["mtp"]
-    sources.exchange(None)  # no drafter: nothing to exchange
 
 
 def test_the_heads_drafts_start_from_its_measured_step_cost(models):
-    from mlx_spec.core.policy import pass_cost_model, policies_by_source
+    from mlx_spec.core.policy import pass_cost_model
     from mlx_spec.core.verify_profile import head_step_cost
 
     model, _ = models["qwen3_next"]
-    policies = policies_by_source(pass_cost_model(model))
-    head, copies = policies.select("mtp"), policies.select("ngram")
-    assert head.cost is copies.cost  # one model prices every source's passes
-    assert head.cost.fitted()["per_head_step"] == head_step_cost(model) > 0
-    assert head.steps and not copies.steps  # a copy takes no head step
-    assert head.pass_cost(3) > copies.pass_cost(3)
+    cost = pass_cost_model(model)  # one model prices every source's passes
+    assert cost.fitted()["per_head_step"] == head_step_cost(model) > 0
+    head, copies = OneRow(cost, source="mtp"), OneRow(cost, source="ngram")
+    assert head.shape(3).head_steps == 3 and copies.shape(3).head_steps == 0
+    assert head.pass_cost(3) > copies.pass_cost(3)  # a copy takes no head step

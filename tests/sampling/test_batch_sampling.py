@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_spec.core.batch import BatchDecoder
+from mlx_spec.core.batch import BatchDecoder, RowOptions
 from mlx_spec.core.sampling import Sampler
 from mlx_spec.drafters import make_drafter
 from mlx_spec.testing.distributions import (
@@ -49,10 +49,12 @@ def test_rows_with_logits_processors_equal_mlx_lm(models, family, kinds):
         drafter = drafter_for(kind, model, prompt, ref)
         b = batch.add(
             fed_decoder(model, prompt, drafter),
-            24,
-            num_draft_tokens="auto" if kind == "ngram" else 4,
-            stop_tokens={EOS},
-            logits_processors=procs,
+            RowOptions(
+                24,
+                num_draft_tokens="auto" if kind == "ngram" else 4,
+                stop_tokens={EOS},
+                logits_processors=procs,
+            ),
         )
         rows[b], want[b] = [], ref
     run_batch(batch, rows)
@@ -64,9 +66,9 @@ def test_rows_with_logits_processors_equal_mlx_lm(models, family, kinds):
     alone, procs = BatchDecoder(model, n_slots=1, max_draft=4), specs[1][1]
     b = alone.add(
         fed_decoder(model, specs[1][0], None),
-        24,
-        num_draft_tokens=0,
-        logits_processors=make_logits_processors(**procs),
+        RowOptions(
+            24, num_draft_tokens=0, logits_processors=make_logits_processors(**procs)
+        ),
     )
     rows = {b: []}
     run_batch(alone, rows)
@@ -88,7 +90,9 @@ def test_greedy_head_drafts_follow_each_rows_processors(models, family):
     for seed, procs in ((3, [successor]), (4, None)):
         prompt = prompts("mixed", seed=seed)
         decoder = fed_decoder(model, prompt, make_drafter("mtp", model), 3)
-        b = batch.add(decoder, 20, num_draft_tokens=3, logits_processors=procs)
+        b = batch.add(
+            decoder, RowOptions(20, num_draft_tokens=3, logits_processors=procs)
+        )
         want[b] = reference_tokens(model, tok, prompt, 20, logits_processors=procs)
         rows[b], decoders[b] = [], decoder
     run_batch(batch, rows)
@@ -112,7 +116,10 @@ def _batch_samples(model, prompt, sampler, drafter_name, processors=None):
         for p, n, procs in ((prompt, 3, processors), (other, 5, None)):
             d = fed_decoder(model, p, make_drafter(drafter_name, model), 3)
             rows.append(
-                batch.add(d, n, sampler, 3, stop_tokens=(), logits_processors=procs)
+                batch.add(
+                    d,
+                    RowOptions(n, sampler, 3, stop_tokens=(), logits_processors=procs),
+                )
             )
         tokens = []
         while rows[0] in batch.active:

@@ -255,17 +255,17 @@ def test_no_pass_is_queued_ahead_of_a_joining_prompt(
     queued pass back. The engine does not queue the pass before a prompt
     joins, so none is thrown away (the control, without the prediction,
     throws one away); both answers equal mlx-lm's either way."""
-    from mlx_spec.core.batch import BatchDecoder
+    from mlx_spec.core.queue_ahead import QueueAhead
     from mlx_spec.server.prefill import PrefillQueue
 
     discarded = []
-    unqueue = BatchDecoder._unqueue
+    unqueue = QueueAhead.unqueue
 
     def counting(self):
-        discarded.append(self._queued is not None)
+        discarded.append(self.forward is not None)
         unqueue(self)
 
-    monkeypatch.setattr(BatchDecoder, "_unqueue", counting)
+    monkeypatch.setattr(QueueAhead, "unqueue", counting)
     if not predict:
         monkeypatch.setattr(PrefillQueue, "admits_next", lambda *_: False)
     model, tok = models[family]

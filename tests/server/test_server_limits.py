@@ -216,7 +216,7 @@ def test_the_engine_never_drafts_past_the_context(tiny, monkeypatch):
     def recorded(self, k, heads):
         made = draft(self, k, heads)
         if self.decoder.model is model:  # this test's engines' rows only
-            reach.append((len(self.decoder.history) + made[0].size, made[0].size))
+            reach.append((len(self.decoder.history) + len(made), len(made)))
         return made
 
     monkeypatch.setattr(BatchRow, "draft", recorded)
