@@ -179,3 +179,20 @@ def serving(app, timeout: float = 60.0) -> Iterator[int]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def request_context(tokenizer, model_id: str, max_tokens: int = 16, **extra):
+    """What an in-process app's request parsing knows of the server: greedy
+    defaults, ``max_tokens`` replies, a 4096-token context and the tiny
+    checkpoints' vocabulary."""
+    from ..server.requests import ServerContext
+
+    defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    return ServerContext(
+        tokenizer,
+        model_id=model_id,
+        defaults={**defaults, "max_tokens": max_tokens},
+        context_length=4096,
+        vocab_size=512,
+        **extra,
+    )
