@@ -160,7 +160,11 @@ class ResponseOutput:
             added,
             {"type": "response.function_call_arguments.delta", "delta": arguments}
             | where,
-            {"type": "response.function_call_arguments.done", "arguments": arguments}
+            {
+                "type": "response.function_call_arguments.done",
+                "name": call.name,  # older SDKs require it
+                "arguments": arguments,
+            }
             | where,
             self._item_event("response.output_item.done", item),
         ]

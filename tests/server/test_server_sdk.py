@@ -13,6 +13,7 @@ SDK knows (its own class, strictly valid), with no warning from the SDK.
 """
 
 import json
+import threading
 
 import mlx_lm
 import pytest
@@ -196,6 +197,40 @@ def test_openai_sdk_streams_every_response_event_typed(pred):
     assert final.output_text == want[0] and final.usage.output_tokens == N
     assert_accepted(final.model_extra["speculation"])
     assert not warned
+
+
+def test_concurrent_responses_share_passes_and_equal_mlx_lm(pred):
+    """Three Responses requests and a chat request decoded together in
+    batched passes: each gets its own mlx-lm text, with drafts accepted."""
+    port, plain = pred
+    client = openai_client(port)
+    inputs = [USER, "hello", "class Stack:\n    def"]
+    replies, errors = {}, []
+
+    def ask(i):
+        try:
+            if i < len(inputs):
+                replies[i] = client.responses.create(
+                    model="pred", input=inputs[i], max_output_tokens=N
+                )
+            else:
+                replies[i] = client.chat.completions.create(
+                    model="pred", messages=[{"role": "user", "content": USER}]
+                )
+        except Exception as e:  # reported below, not lost in the thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and len(replies) == 4, errors
+    for i, text in enumerate(inputs):
+        prompt = plain_chat_tokens(plain, [{"role": "user", "content": text}])
+        assert replies[i].output_text == reference(plain, prompt)[0], text
+        assert_accepted(replies[i].model_extra["speculation"])
+    assert replies[3].choices[0].message.content.startswith(replies[0].output_text)
 
 
 def test_openai_sdk_tool_round_trip_on_responses(agent):
