@@ -1,8 +1,8 @@
 """The HTTP front: a Starlette application served by uvicorn.
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``
-(also ``/chat/completions``), ``POST /v1/completions``, ``POST
-/v1/responses`` and ``POST /v1/messages``. A handler reads its request, parses and checks it off the
+(also ``/chat/completions``), ``POST /v1/completions``, ``POST /v1/responses``
+and ``POST /v1/messages``. A handler reads its request, parses and checks it off the
 event loop (a large body, a long prompt to tokenize take a while), hands a job to the engine and
 writes what the job produces, as one JSON object or as server-sent events
 (:mod:`.bridge` carries the engine thread's events to the handler). A
@@ -29,16 +29,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from . import anthropic, openai
-from .kept_responses import KeptResponses
-from .response_output import ResponseOutput
-from .responses import responses_request
 from .bridge import Generation, Generations, ShuttingDown
 from .engine import Engine
 from .events import CutShort
 from .guard import guard_middleware
+from .kept_responses import KeptResponses
 from .limits import ClientLimits, h11_protocol
 from .requests import RequestError, ServerContext, completion_echo, field
 from .requests import openai_request
+from .response_output import ResponseOutput
+from .responses import responses_request
 from .wire import MAX_BODY_BYTES, ClientGone, error_response, json_response
 from .wire import parse_json_object, read_body, sse
 
@@ -119,11 +119,8 @@ class ResponsesExchange:
     def __init__(self, path: str, body: dict, ctx: ServerContext, kept: KeptResponses):
         request = responses_request(body, ctx, kept)
         self.stream, self.kept, self.was_kept = request.stream, kept, False
-        self.prompt, self.state, self.params = (
-            request.prompt,
-            request.initial_state,
-            request.params,
-        )
+        self.prompt, self.state = request.prompt, request.initial_state
+        self.params = request.params
         self.response = ResponseOutput(ctx.model_id, request)
 
     def add(self, events):
