@@ -8,8 +8,8 @@ stream sends ``response.created`` and ``response.in_progress``, then for each
 item ``response.output_item.added``, its part opened, its text deltas, the
 text and the part done, ``response.output_item.done`` (a call: its arguments'
 delta and done), and last ``response.completed``, ``response.incomplete``
-(the output token limit) or ``response.failed`` (the server stopped, or the
-generation failed); each event has the next ``sequence_number``. A pass's
+(the output token limit) or ``response.failed`` (the server cut the response
+short, or the generation failed); each event has the next ``sequence_number``. A pass's
 consecutive text of one item goes out as one delta, as on the other
 endpoints. The response carries the request's ``speculation`` counters.
 """
@@ -71,8 +71,9 @@ class ResponseOutput:
             return self._close("completed") + self._call(event)
         if isinstance(event, Finished):
             self.finished = event
-            if event.reason == "cancelled":
-                return self.fail("the server stopped before the response was complete")
+            if event.reason == "cancelled":  # the server cut it short
+                why = str(event.cut) if event.cut is not None else ""
+                return self.fail(why or "the server ended the response early")
             status = "incomplete" if event.reason == "length" else "completed"
             return self._close(status) + [self._lifecycle(f"response.{status}")]
         raise TypeError(f"unexpected event {event!r}")

@@ -139,7 +139,8 @@ def test_a_disconnect_cancels_the_response_within_one_pass(ports, engine, stream
 @pytest.mark.slow
 def test_a_signal_ends_an_open_responses_stream_with_response_failed(tiny):
     """SIGTERM while a Responses stream decodes: the open item is closed,
-    ``response.failed`` names the stop, and the process exits with 0."""
+    ``response.failed`` says the server is shutting down, and the process
+    exits with 0."""
     port = free_port()
     with running_server(mlx_spec_server(tiny, port), port) as proc:
         data = json.dumps({**LONG, "stream": True})
@@ -167,5 +168,5 @@ def test_a_signal_ends_an_open_responses_stream_with_response_failed(tiny):
     assert names[-2:] == ["response.output_item.done", "response.failed"]
     last = json.loads(re.findall(r"data: (\{.*\})", text)[-1])
     assert last["response"]["status"] == "failed"
-    assert "stopped" in last["response"]["error"]["message"]
+    assert "shutting down" in last["response"]["error"]["message"]
     assert last["response"]["output"][0]["status"] == "incomplete"
