@@ -20,6 +20,7 @@ from .requests import (
     check_text,
     field,
     generation_params,
+    logits_processing,
 )
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -156,6 +157,7 @@ def messages_request(body, ctx: ServerContext):
         messages += _message(i, m)
     field(body, "stop_sequences", "list")
     params = generation_params(body, ctx)
+    params.logits = logits_processing(body, ctx)
     tools = _tools(body.get("tools"))
     params.tools = tools
     prompt, state, params.shared_prefix = chat_prompt(messages, tools, ctx)
@@ -207,7 +209,10 @@ class MessageResponse:
             kind = "thinking" if event.kind == "reasoning" else "text"
             events = []
             if not self.blocks or self.blocks[-1]["type"] != kind:
-                events += self._close() + self._open({"type": kind, kind: ""})
+                block = {"type": kind, kind: ""}
+                if kind == "thinking":  # no signature: the thinking is local
+                    block["signature"] = ""
+                events += self._close() + self._open(block)
             self.blocks[-1][kind] += event.text
             return events + self._delta({"type": f"{kind}_delta", kind: event.text})
         if isinstance(event, ToolCall):

@@ -1,8 +1,8 @@
 """The HTTP front: a Starlette application served by uvicorn.
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``
-(also ``/chat/completions``), ``POST /v1/completions`` and ``POST
-/v1/messages``. A handler reads its request, parses and checks it off the
+(also ``/chat/completions``), ``POST /v1/completions``, ``POST /v1/responses``
+and ``POST /v1/messages``. A handler reads its request, parses and checks it off the
 event loop (a large body, a long prompt to tokenize take a while), hands a job to the engine and
 writes what the job produces, as one JSON object or as server-sent events
 (:mod:`.bridge` carries the engine thread's events to the handler). A
@@ -33,9 +33,12 @@ from .bridge import Generation, Generations, ShuttingDown
 from .engine import Engine
 from .events import CutShort
 from .guard import guard_middleware
+from .kept_responses import KeptResponses
 from .limits import ClientLimits, h11_protocol
 from .requests import RequestError, ServerContext, completion_echo, field
 from .requests import openai_request
+from .response_output import ResponseOutput
+from .responses import responses_request
 from .wire import MAX_BODY_BYTES, ClientGone, error_response, json_response
 from .wire import parse_json_object, read_body, sse
 
@@ -109,6 +112,43 @@ class MessagesExchange:
         return sse(anthropic.error_body(message, 500), event="error")
 
 
+class ResponsesExchange:
+    """One ``/v1/responses`` request (OpenAI's Responses API); a stored
+    response's conversation is kept in ``kept`` once it has finished."""
+
+    def __init__(self, path: str, body: dict, ctx: ServerContext, kept: KeptResponses):
+        request = responses_request(body, ctx, kept)
+        self.stream, self.kept, self.was_kept = request.stream, kept, False
+        self.prompt, self.state = request.prompt, request.initial_state
+        self.params = request.params
+        self.response = ResponseOutput(ctx.model_id, request)
+
+    def add(self, events):
+        for event in events:
+            self.response.add(event)
+        self._keep()
+
+    def body(self) -> dict:
+        return self.response.body()
+
+    def events(self, events) -> bytes:
+        out = self.response.stream(events)
+        self._keep()
+        return b"".join(sse(e, event=e["type"]) for e in out)
+
+    def tail(self) -> bytes:
+        return b""  # response.completed (or its like) came with the finish
+
+    def failure(self, message: str) -> bytes:
+        return b"".join(sse(e, event=e["type"]) for e in self.response.failed(message))
+
+    def _keep(self):
+        conversation = None if self.was_kept else self.response.kept()
+        if conversation is not None:
+            self.kept.put(self.response.id, conversation)
+            self.was_kept = True
+
+
 class EventStream:
     """The ASGI response of a streamed request: the events of the batches
     the job hands over, then the exchange's tail (``[DONE]``). A stream the
@@ -163,6 +203,7 @@ class Server:
         self.limits = limits
         self.hidden = sorted((h for h in hidden if h), key=len, reverse=True)
         self.generations = Generations()
+        self.kept_responses = KeptResponses()
         self.started = time.time()
 
     def scrub(self, message: str) -> str:
@@ -193,6 +234,12 @@ class Server:
 
     async def messages(self, request: Request) -> Response:
         return await self._answer(request, MessagesExchange)
+
+    async def responses(self, request: Request) -> Response:
+        def exchange(path: str, body: dict, ctx: ServerContext):
+            return ResponsesExchange(path, body, ctx, self.kept_responses)
+
+        return await self._answer(request, exchange)
 
     async def _answer(self, request: Request, exchange_class):
         path = request.url.path
@@ -281,6 +328,7 @@ def make_app(
         Route("/chat/completions", server.openai, methods=["POST"]),
         Route("/v1/completions", server.openai, methods=["POST"]),
         Route("/v1/messages", server.messages, methods=["POST"]),
+        Route("/v1/responses", server.responses, methods=["POST"]),
     ]
     app = Starlette(
         routes=routes,

@@ -8,4 +8,8 @@ models without a model hub. No runtime module of mlx_spec imports it.
 - ``tokenizer.py``: the tiny byte-level BPE tokenizer they ship;
 - ``mtp_heads.py``: checkpoints whose MTP head predicts well;
 - ``reference.py``: prompts, mlx-lm reference decoding, an oracle drafter.
+- ``agent_checkpoint.py``: a checkpoint with a chat template that thinks and
+  calls a tool (agent clients' round trips);
+- ``server.py``, ``http_client.py``, ``sdk_clients.py``: server processes,
+  plain HTTP requests, the ``openai`` and ``anthropic`` SDKs as clients.
 """
