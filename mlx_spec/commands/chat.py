@@ -23,14 +23,14 @@ from typing import Optional
 import mlx.core as mx
 
 from ..core.decode import SpeculativeDecoder, speculative_generate_step
-from ..core.snapshot import capture, drafter_name, restore
+from ..states.snapshot import capture, drafter_name, restore
 from ..core.policy import most_drafts
 from ..core.stats import SpecStats
 from ..drafters import default_draft, make_drafter
 from ..generate import check_options
 from ..mlx_lm_compat import chat_arg_parser
 from ..models.pipeline import broadcast_text
-from ..server.state_cache import common_prefix
+from ..states.memory import common_prefix
 from .model_files import load_model
 from .common import (
     CommandError,
@@ -48,7 +48,7 @@ from .common import (
     refuse_unsupported,
     sampler_from_flags,
 )
-from .session import check_writable, load_session, save_session
+from ..states.session_file import check_writable, load_session, save_session
 
 PROG = "mlx_spec chat"
 # mlx_lm.chat flags that speculative decoding here does not implement.

@@ -20,7 +20,7 @@ from ..drafters import DRAFTS
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..mlx_lm_compat import PENALTIES, make_logits_processors
 from ..models.pipeline import shared_seed
-from ..state_store import DEFAULT_DIR, StateStore, check_state_dir
+from ..states.store import DEFAULT_DIR, StateStore, check_state_dir
 
 BAD_INPUT = 2  # exit status, as argparse uses for bad flags
 

@@ -16,7 +16,7 @@ last one emitted when it leaves): keeping one costs no forward, and a later
 prompt that continues it processes that token in its own prefill. A prompt
 that begins like one being prefilled waits for it to reach the end of the
 common part and continues from the state kept there (:mod:`.prefill`).
-With a disk tier (:mod:`mlx_spec.state_store`), states leaving memory, and
+With a disk tier (:mod:`mlx_spec.states.store`), states leaving memory, and
 all of them when the engine closes, are written in the background; a prompt
 that continues a longer state on disk than in memory loads it.
 
@@ -43,18 +43,18 @@ from ..core.batch import BatchDecoder
 from ..core.sequence import SpeculativeDecoder
 from ..core.policy import most_drafts
 from ..core.sampling import make_sampler, xtc_special_tokens
-from ..core.snapshot import capture, restore
+from ..states.snapshot import capture, restore
 from ..core.stats import SpecStats
 from ..drafters import make_drafter
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..generate import check_options
 from ..mlx_lm_compat import make_logits_processors
 from ..models.pipeline import broadcast_bytes
-from ..state_store import StateStore
+from ..states.store import StateStore
 from .events import Finished, GenerationParams, Job, Progress, Started, TextRouter
 from .events import Token
 from .prefill import Joining, PrefillQueue
-from .state_cache import StateCache
+from ..states.memory import StateCache
 
 log = logging.getLogger("mlx_spec.server")
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Set, Tuple, Union
 
 from ..core.sequence import SpeculativeDecoder
-from ..core.snapshot import capture
+from ..states.snapshot import capture
 from .events import Job
-from .state_cache import StateCache, common_prefix
+from ..states.memory import StateCache, common_prefix
 
 log = logging.getLogger("mlx_spec.server")
 

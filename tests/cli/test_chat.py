@@ -15,7 +15,7 @@ from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
 from mlx_spec.commands.chat import ChatSession, main, setup_parser
-from mlx_spec.commands.session import save_session
+from mlx_spec.states.session_file import save_session
 
 TURNS = ["def area(width, height):", "x = area(3, 4)", "print(x)"]
 
@@ -339,10 +339,10 @@ def test_a_session_file_of_an_earlier_version_is_refused_by_name(models, tmp_pat
     """Files of the first layout named their model by its config and a few
     weight rows, which a fine-tune shares with its base: they are refused
     with a message saying why, and the decoder is left as it was."""
-    from mlx_spec.commands.session import EARLIER_FORMATS, load_session
-    from mlx_spec.core.snapshot import capture
+    from mlx_spec.states.session_file import EARLIER_FORMATS, load_session
+    from mlx_spec.states.snapshot import capture
     from mlx_spec.mlx_lm_compat import ArraysCache, save_prompt_cache
-    from mlx_spec.state_file import plain_state
+    from mlx_spec.states.file import plain_state
 
     model, tok = models["qwen3_5"]
     args = setup_parser().parse_args([])

@@ -1,6 +1,6 @@
 """Saving and loading a whole speculative session (``--prompt-cache-file``).
 
-The file is a state file (:mod:`mlx_spec.state_file`: an mlx-lm prompt-cache
+The file is a state file (:mod:`mlx_spec.states.file`: an mlx-lm prompt-cache
 file with the token history and the drafter's state after the target's
 caches). Before saving, the pending token is processed, so its first
 ``n_target`` entries are exactly the prompt cache plain decoding of the
@@ -14,9 +14,9 @@ fine-tune passed for its base: they are refused, with a message saying so.
 
 from pathlib import Path
 
-from ..core.snapshot import capture, drafter_name, restore
+from .snapshot import capture, drafter_name, restore
 from ..models.identity import model_fingerprint
-from ..state_file import (
+from .file import (
     check_writable,
     plain_state,
     read_metadata,

@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..drafters import make_drafter
 from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
 from ..models.mtp.head import text_args
-from .state import GDNSlotCache
+from ..core.state import GDNSlotCache
 
 
 @dataclass
