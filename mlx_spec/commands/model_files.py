@@ -8,7 +8,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ..demo import default_model_path
-from ..hub import HubError, is_repo_id, resolve_model, resolve_mtp_path
+from ..hub.resolve import HubError, is_repo_id, resolve_model, resolve_mtp_path
 from ..loading import load
 from ..models.mtp import SIDECAR_NAME
 from ..models.mtp.discovery import MTP_SIDECAR_PATTERNS
