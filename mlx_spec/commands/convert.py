@@ -41,7 +41,8 @@ from ..models.mtp.weights import (
     model_metadata,
     write_sidecar,
 )
-from .common import BAD_INPUT, CommandError, one_line
+from ..errors import one_line
+from .common import BAD_INPUT, CommandError
 from .model_files import check_model_files
 
 MTP_DTYPES = ("bfloat16", "float16", "float32")

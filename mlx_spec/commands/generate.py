@@ -7,6 +7,7 @@ import warnings
 from contextlib import contextmanager
 
 from ..core.sequence import SpeculativeDecoder
+from ..errors import one_line
 from ..generate import generate, vocab_size
 from ..mlx_lm_compat import generate_arg_parser
 from ..models.mtp import MTPDisabledWarning, mtp_report
@@ -22,7 +23,6 @@ from .common import (
     command,
     join_pipeline,
     logits_processors_from_flags,
-    one_line,
     read_text,
     refuse_unsupported,
     sampler_from_flags,

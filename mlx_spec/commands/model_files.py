@@ -12,7 +12,8 @@ from ..hub.resolve import HubError, is_repo_id, resolve_model, resolve_mtp_path
 from ..loading import load
 from ..models.mtp import SIDECAR_NAME
 from ..models.mtp.discovery import MTP_SIDECAR_PATTERNS
-from .common import CommandError, bad_input, one_line
+from ..errors import one_line
+from .common import CommandError, bad_input
 
 
 def check_safetensors(file: Path):
