@@ -46,7 +46,7 @@ from ..drafters import DRAFTS
 from ..generate import stream_generate
 from ..mlx_lm_compat import plain_stream_generate
 from .bench_report import format_table, lossless_report, plot
-from .model_files import load_model
+from ..model_files import load_model
 from .common import (
     MODEL_HELP,
     CommandError,

@@ -31,7 +31,7 @@ from ..generate import check_options
 from ..mlx_lm_compat import chat_arg_parser
 from ..models.pipeline import broadcast_text
 from ..states.memory import common_prefix
-from .model_files import load_model
+from ..model_files import load_model
 from .common import (
     CommandError,
     add_penalty_flags,

@@ -41,9 +41,9 @@ from ..models.mtp.weights import (
     model_metadata,
     write_sidecar,
 )
-from ..errors import one_line
-from .common import BAD_INPUT, CommandError
-from .model_files import check_model_files
+from ..errors import InputError, one_line
+from ..model_files import check_model_files
+from .common import BAD_INPUT
 
 MTP_DTYPES = ("bfloat16", "float16", "float32")
 MTP_BITS = (4, 8)
@@ -286,7 +286,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             revision=a.revision,
             mtp_only=a.mtp_from is not None,
         )
-    except (CommandError, MTPWeightsError, OSError, ValueError) as e:
+    except (InputError, MTPWeightsError, OSError, ValueError) as e:
         print(f"mlx_spec convert: {one_line(e)}", file=sys.stderr)
         return BAD_INPUT
     print(f"wrote {path}")

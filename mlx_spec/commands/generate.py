@@ -11,7 +11,7 @@ from ..errors import one_line
 from ..generate import generate, vocab_size
 from ..mlx_lm_compat import generate_arg_parser
 from ..models.mtp import MTPDisabledWarning, mtp_report
-from .model_files import load_model
+from ..model_files import load_model
 from .common import (
     CommandError,
     add_extra_eos_tokens,

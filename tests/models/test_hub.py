@@ -526,7 +526,7 @@ def test_convert_hf_path_takes_a_repo_id(hub, env, repos, tmp_path):
 
 
 def test_the_server_names_a_downloaded_model_by_its_repo_id(tmp_path):
-    from mlx_spec.commands.model_files import model_name
+    from mlx_spec.model_files import model_name
 
     snapshot = tmp_path / "snapshots" / "0123abcd"
     snapshot.mkdir(parents=True)
