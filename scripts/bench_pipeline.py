@@ -19,7 +19,7 @@ import time
 import mlx.core as mx
 
 import mlx_spec
-from mlx_spec.commands.bench import load_workloads, machine_info
+from mlx_spec.timed_runs import load_workloads, machine_info
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.demo import default_model_path
