@@ -20,6 +20,7 @@ from ..drafters.base import MAX_DRAFT_TOKENS
 from ..errors import InputError, reported_as
 from ..mlx_lm_compat import PENALTIES, make_logits_processors
 from ..models.pipeline import shared_seed
+from ..session import DecodeOptions
 from ..states.store import DEFAULT_DIR, StateStore, check_state_dir
 
 BAD_INPUT = 2  # exit status, as argparse uses for bad flags
@@ -70,6 +71,19 @@ def add_draft_options(parser: argparse.ArgumentParser):
         f"Tokens drafted per verify pass (0..{MAX_DRAFT_TOKENS}), or 'auto' "
         "(default): chosen each pass from the measured verify cost and the "
         "acceptance so far, 0 while speculation does not pay."
+    )
+
+
+def decode_options(args, draft) -> DecodeOptions:
+    """The :class:`~mlx_spec.DecodeOptions` of the drafting flags, for the
+    drafter ``draft`` (``--draft``, or the model's default); ``ValueError``
+    naming a bad value."""
+    return DecodeOptions(
+        draft=draft,
+        num_draft_tokens=args.num_draft_tokens,
+        max_ngram=args.max_ngram,
+        rollback=args.rollback,
+        prefill_step_size=args.prefill_step_size,
     )
 
 

@@ -19,7 +19,7 @@ conversation with the same system prompt then begins from it.
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, List, Set, Tuple, Union
+from typing import Callable, List, Optional, Set, Tuple, Union
 
 from ..core.sequence import SpeculativeDecoder
 from ..states.snapshot import capture
@@ -42,6 +42,9 @@ class Joining:
     todo: List[int]  # prompt tokens still to feed; the last one stays pending
     keep: bool  # keep the state at the end of the prompt
     marks: Set[int] = field(default_factory=set)  # keep a state at these lengths
+    # how its tokens are chosen once it decodes (mlx-lm's; None: greedy, none)
+    sampler: Optional[Callable] = None
+    logits_processors: Optional[List[Callable]] = None
 
     @property
     def fed(self) -> int:

@@ -14,7 +14,7 @@ fine-tune passed for its base: they are refused, with a message saying so.
 
 from pathlib import Path
 
-from .snapshot import capture, drafter_name, restore
+from .snapshot import capture, drafter_name
 from ..models.identity import model_fingerprint
 from .file import (
     check_writable,
@@ -30,9 +30,11 @@ EARLIER_FORMATS = ("mlx_spec.session.v1",)
 __all__ = ["FORMAT", "check_writable", "load_session", "save_session"]
 
 
-def save_session(path, decoder, model_name: str = ""):
-    """Write ``decoder``'s whole state to exactly ``path`` (safetensors, whatever
-    its suffix), atomically: a file beside it, renamed onto it when complete."""
+def save_session(path, session, model_name: str = ""):
+    """Write the whole state of ``session`` (a :class:`mlx_spec.Session`) to
+    exactly ``path`` (safetensors, whatever its suffix), atomically: a file
+    beside it, renamed onto it when complete."""
+    decoder = session.decoder
     meta = {
         "format": FORMAT,
         "model": model_fingerprint(decoder.model),
@@ -41,8 +43,8 @@ def save_session(path, decoder, model_name: str = ""):
     write_state(path, plain_state(capture(decoder)), meta)
 
 
-def load_session(path, decoder, model_name: str = ""):
-    """Restore a session saved by :func:`save_session` into a fresh ``decoder``.
+def load_session(path, session, model_name: str = ""):
+    """Restore a session saved by :func:`save_session` into a fresh ``session``.
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming
     the file for one that is unreadable or made for another model or drafter.
@@ -65,6 +67,7 @@ def load_session(path, decoder, model_name: str = ""):
     state, meta = read_state(real)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not an mlx_spec session file")
+    decoder = session.decoder
     if meta.get("model") != model_fingerprint(decoder.model):
         raise ValueError(
             f"{str(path)!r} was saved for another model or other weights "
@@ -77,6 +80,6 @@ def load_session(path, decoder, model_name: str = ""):
             f"{str(path)!r} was saved with draft {state.drafter!r}, not {name!r}"
         )
     try:
-        restore(decoder, state)
+        session.restore(state)
     except ValueError as e:
         raise ValueError(f"{str(path)!r} does not fit the model: {e}") from None

@@ -282,7 +282,7 @@ def test_unreadable_prompt_cache_file_is_one_line(
     else:
         chat = ChatSession(model, tok, setup_parser().parse_args([]))
         list(chat.reply(TURNS[0]))
-        save_session(path, chat.decoder)
+        save_session(path, chat.session)
         data = path.read_bytes()
         path.write_bytes(
             data[: len(data) // 2] if damage == "truncated" else data[::-1]
@@ -363,6 +363,6 @@ def test_a_session_file_of_an_earlier_version_is_refused_by_name(models, tmp_pat
     save_prompt_cache(str(path), state.caches + [session, extra], meta)
     again = ChatSession(model, tok, args)
     with pytest.raises(ValueError, match="earlier mlx_spec") as refused:
-        load_session(path, again.decoder)
+        load_session(path, again.session)
     assert str(path) in str(refused.value)
     assert again.decoder.history == []
