@@ -54,26 +54,30 @@ def load_session(path, session, model_name: str = ""):
         raise FileNotFoundError(f"prompt cache file {str(path)!r} does not exist")
     real = path.resolve()  # a link the user made is followed, once, here
     try:
-        earlier = read_metadata(real).get("format") in EARLIER_FORMATS
+        header = read_metadata(real)
     except ValueError as e:
         raise ValueError(
             f"{str(path)!r} is not a readable prompt cache file ({e})"
         ) from None
-    if earlier:
+    if header.get("format") in EARLIER_FORMATS:
         raise ValueError(
             f"{str(path)!r} was saved by an earlier mlx_spec, whose session files "
             "cannot tell which weights they were made with; start a new session"
         )
-    state, meta = read_state(real)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{str(path)!r} is not an mlx_spec session file")
     decoder = session.decoder
-    if meta.get("model") != model_fingerprint(decoder.model):
+    # Another model's file is refused from its header, before any array is
+    # read: a command that stops right after reading one could abort (MLX's
+    # reading thread lets go of the file after the interpreter has stopped).
+    fingerprint = model_fingerprint(decoder.model)
+    if header.get("format") == FORMAT and header.get("model") != fingerprint:
         raise ValueError(
             f"{str(path)!r} was saved for another model or other weights "
-            f"({meta.get('model_name') or meta.get('model')}), "
+            f"({header.get('model_name') or header.get('model')}), "
             f"not {model_name or 'this one'}"
         )
+    state, meta = read_state(real)  # its checksum covers the header too
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{str(path)!r} is not an mlx_spec session file")
     name = drafter_name(decoder.drafter)
     if state.drafter != name:
         raise ValueError(
