@@ -20,15 +20,15 @@ import sys
 import time
 from typing import Optional
 
-
 from ..core.stats import SpecStats
 from ..drafters import default_draft
 from ..mlx_lm_compat import chat_arg_parser
+from ..model_files import load_model
 from ..models.pipeline import broadcast_text
 from ..session import Session, check_max_tokens
 from ..states.memory import common_prefix
+from ..states.session_file import check_writable, load_session, save_session
 from ..states.snapshot import capture, drafter_name
-from ..model_files import load_model
 from .common import (
     CommandError,
     add_penalty_flags,
@@ -46,7 +46,6 @@ from .common import (
     refuse_unsupported,
     sampler_from_flags,
 )
-from ..states.session_file import check_writable, load_session, save_session
 
 PROG = "mlx_spec chat"
 # mlx_lm.chat flags that speculative decoding here does not implement.
