@@ -106,6 +106,17 @@ def test_three_turns_match_mlx_lm_and_prefill_only_new_tokens(checkpoint_dirs, m
     assert ref[2][1] < context // 3
 
 
+@pytest.mark.parametrize("draft", ["ngram", "mtp+ngram"])
+def test_every_family_chats_as_mlx_lm(models, family, draft):
+    """A chat's turns, one session across them, are mlx-lm's replies with one
+    prompt cache for the conversation, on every family."""
+    model, tok = models[family]
+    args = setup_parser().parse_args(["--max-tokens", "16", "--draft", draft])
+    chat = ChatSession(model, tok, args)
+    got = ["".join(chat.reply(text)) for text in TURNS]
+    assert got == [text for text, _ in reference_replies(model, tok, TURNS, 16)]
+
+
 def test_penalty_flags_apply_to_every_turn(
     checkpoint_dirs, models, monkeypatch, capsys
 ):
