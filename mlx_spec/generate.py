@@ -1,6 +1,5 @@
 """mlx-lm compatible ``stream_generate`` / ``generate`` with speculative decoding."""
 
-import numbers
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Union
@@ -8,14 +7,10 @@ from typing import List, Optional, Union
 import mlx.core as mx
 import numpy as np
 
-from .core.decode import SpeculativeDecoder, speculative_generate_step
-from .core.policy import most_drafts
 from .core.policy_tuning import DEFAULT_TUNING, PolicyTuning
 from .core.verify_profile import head_step_cost, verify_cost_profiles
-from .core.state import ROLLBACK_STRATEGIES
 from .core.stats import SpecStats
-from .drafters import default_draft, draft_names, make_drafter, max_draft_of
-from .drafters.base import MAX_DRAFT_TOKENS, is_drafter
+from .drafters import default_draft
 from .mlx_lm_compat import (
     GenerationResponse,
     TokenizerWrapper,
@@ -23,9 +18,28 @@ from .mlx_lm_compat import (
     generation_stream,
     wired_limit,
 )
+from .session import (
+    DecodeOptions,
+    KVQuantization,
+    Session,
+    check_max_tokens,
+    is_integer,
+)
 
 # Arguments of mlx-lm's generate_step that only plain decoding supports.
 _PLAIN_ONLY = ("max_kv_size", "input_embeddings")
+# Those speculative decoding takes (the cache options are in the session's).
+_SPECULATIVE = (
+    "max_tokens",
+    "sampler",
+    "logits_processors",
+    "prompt_progress_callback",
+    "prompt_cache",
+    "prefill_step_size",
+    "kv_bits",
+    "kv_group_size",
+    "quantized_kv_start",
+)
 
 
 @dataclass
@@ -50,10 +64,6 @@ def check_token_ids(ids: List[int], vocab: int):
         )
 
 
-def _is_id(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _encode(model, tokenizer: TokenizerWrapper, prompt) -> mx.array:
     """The prompt as [N] uint32 ids, checked against the model's vocabulary.
 
@@ -73,7 +83,7 @@ def _encode(model, tokenizer: TokenizerWrapper, prompt) -> mx.array:
             f"array of them, got {type(prompt).__name__}"
         )
     if not isinstance(prompt, mx.array):
-        bad = next((t for t in prompt if not _is_id(t)), None)
+        bad = next((t for t in prompt if not is_integer(t)), None)
         if bad is not None:
             raise ValueError(f"token ids must be integers, got {bad!r:.60}")
         ids = [int(t) for t in prompt]  # NumPy integers too
@@ -88,32 +98,30 @@ def _encode(model, tokenizer: TokenizerWrapper, prompt) -> mx.array:
     return prompt.astype(mx.uint32)
 
 
-def check_options(max_tokens, draft, num_draft_tokens, rollback="store"):
-    """Raise ``ValueError`` naming the bad value; called before any state changes."""
-    if rollback not in ROLLBACK_STRATEGIES:
-        raise ValueError(
-            f"unknown rollback strategy {rollback!r}; use one of {ROLLBACK_STRATEGIES}"
-        )
-    if not isinstance(max_tokens, int) or max_tokens <= 0:
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if not (draft in draft_names() if isinstance(draft, str) else is_drafter(draft)):
-        raise ValueError(
-            f"unknown draft {draft!r}; choose one of {', '.join(draft_names())} "
-            "or pass an object with reset/draft/accept methods"
-        )
-    if num_draft_tokens != "auto" and (
-        not isinstance(num_draft_tokens, int)
-        or not 0 <= num_draft_tokens <= MAX_DRAFT_TOKENS
-    ):
-        raise ValueError(
-            f"num_draft_tokens must be 'auto' or an integer in 0..{MAX_DRAFT_TOKENS}, "
-            f"got {num_draft_tokens!r}"
-        )
-    most = max_draft_of(draft) if isinstance(draft, str) else MAX_DRAFT_TOKENS
-    if isinstance(num_draft_tokens, int) and num_draft_tokens > most:
-        raise ValueError(
-            f"draft {draft!r} drafts 1..{most} tokens per pass, got {num_draft_tokens}"
-        )
+def options_of(
+    model, draft, num_draft_tokens, max_ngram, tuning, kwargs
+) -> DecodeOptions:
+    """The :class:`DecodeOptions` of a ``stream_generate`` call (``kwargs``:
+    mlx-lm's, read, not taken: plain decoding passes them on)."""
+    given = {"rollback": kwargs["rollback"]} if "rollback" in kwargs else {}
+    if kwargs.get("prefill_step_size") is not None:
+        given["prefill_step_size"] = kwargs["prefill_step_size"]
+    if kwargs.get("kv_bits") is not None:
+        kv = {"bits": kwargs["kv_bits"]}
+        for name, field in (
+            ("kv_group_size", "group_size"),
+            ("quantized_kv_start", "start"),
+        ):
+            if kwargs.get(name) is not None:
+                kv[field] = kwargs[name]
+        given["kv"] = KVQuantization(**kv)
+    return DecodeOptions(
+        draft=default_draft(model) if draft is None else draft,
+        num_draft_tokens=num_draft_tokens,
+        max_ngram=max_ngram,
+        tuning=tuning,
+        **given,
+    )
 
 
 def stream_generate(
@@ -126,7 +134,7 @@ def stream_generate(
     max_ngram: int = 3,
     stats: Optional[SpecStats] = None,
     timing: bool = False,
-    decoder: Optional[SpeculativeDecoder] = None,
+    session: Optional[Session] = None,
     tuning: PolicyTuning = DEFAULT_TUNING,
     **kwargs,
 ):
@@ -142,8 +150,9 @@ def stream_generate(
     keyword arguments are those of ``mlx_lm.generate_step``. ``draft="none"``
     (or ``num_draft_tokens=0``) is plain mlx-lm decoding.
 
-    ``decoder``: a :class:`SpeculativeDecoder` to continue (its caches,
-    drafter, history and statistics; ``draft`` and ``prompt_cache`` are then
+    ``session``: a :class:`~mlx_spec.Session` to continue (its caches,
+    drafter, history, statistics and options; ``draft``, ``num_draft_tokens``,
+    ``max_ngram``, ``stats``, ``tuning`` and the cache options are then
     unused): ``prompt`` holds only the new tokens, and at the end the caches
     hold every token, as a reused mlx-lm prompt cache does.
 
@@ -151,20 +160,11 @@ def stream_generate(
     :class:`~mlx_spec.core.policy_tuning.PolicyTuning`; experiments build
     variants of the default with ``dataclasses.replace``).
     """
-    if decoder is not None:
-        draft, stats = decoder.drafter, decoder.stats
-        if most_drafts(num_draft_tokens) > decoder.max_draft:
-            raise ValueError(
-                f"num_draft_tokens={num_draft_tokens!r} exceeds the decoder's "
-                f"max_draft ({decoder.max_draft})"
-            )
-    draft = default_draft(model) if draft is None else draft
-    check_options(max_tokens, draft, num_draft_tokens, kwargs.get("rollback", "store"))
-    if not isinstance(tuning, PolicyTuning):
-        raise ValueError(f"tuning must be a PolicyTuning, got {type(tuning).__name__}")
-    step = kwargs.get("prefill_step_size")
-    if step is not None and not (_is_id(step) and step >= 1):
-        raise ValueError(f"prefill_step_size must be an integer >= 1, got {step!r}")
+    check_max_tokens(max_tokens)
+    if session is None:
+        options = options_of(model, draft, num_draft_tokens, max_ngram, tuning, kwargs)
+    else:
+        options, stats = session.options, session.stats
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if kwargs.pop("draft_model", None) is not None:
@@ -174,20 +174,12 @@ def stream_generate(
         )
     prompt = _encode(model, tokenizer, prompt)
     stats = SpecStats() if stats is None else stats
-    if decoder is not None:
-        drafter = decoder.drafter
-    elif num_draft_tokens == 0:
-        drafter = None
-    elif isinstance(draft, str):
-        drafter = make_drafter(draft, model, max_ngram=max_ngram)
-    else:
-        drafter = draft
     stream = kwargs.pop("stream", generation_stream)
     kwargs.pop("num_draft_tokens", None)
-    rollback = kwargs.pop("rollback", "store")
+    kwargs.pop("rollback", None)
     kwargs["max_tokens"] = max_tokens
 
-    if decoder is None and (drafter is None or num_draft_tokens == 0):
+    if session is None and not options.speculates:
         tokens = generate_step(prompt, model, stream, **kwargs)
         tokens = ((t, lp, False) for t, lp in tokens)
     else:
@@ -195,30 +187,33 @@ def stream_generate(
         if used:
             raise ValueError(
                 f"{', '.join(used)} is not supported with speculative decoding "
-                f"(draft={draft!r}); use draft='none'"
+                f"(draft={options.draft!r}); use draft='none'"
             )
-        for k in _PLAIN_ONLY:
-            kwargs.pop(k, None)
-        if num_draft_tokens == "auto":  # measured (once) apart from the prompt
+        unknown = sorted(set(kwargs) - set(_SPECULATIVE + _PLAIN_ONLY))
+        if unknown:  # what mlx-lm's generate_step would refuse too
+            raise TypeError(
+                f"stream_generate() got an unexpected keyword argument {unknown[0]!r}"
+            )
+        # mlx-lm leaves a caller's cache holding every token it yielded
+        flush = session is not None or kwargs.get("prompt_cache") is not None
+        if session is None:
+            cache = kwargs.get("prompt_cache")
+            session = Session(model, options, prompt_cache=cache, stats=stats)
+        if options.num_draft_tokens == "auto":  # measured (once) apart from the prompt
             tic = time.perf_counter()
-            verify_cost_profiles(model, tuning), head_step_cost(model)
+            verify_cost_profiles(model, options.tuning), head_step_cost(model)
             stats.profile_seconds = time.perf_counter() - tic
         tokens = _on_stream(
             stream,
-            speculative_generate_step(
+            session.generate(
                 prompt,
-                model,
-                drafter,
-                num_draft_tokens=num_draft_tokens,
-                stats=stats,
-                timing=timing,
+                max_tokens=max_tokens,
+                sampler=kwargs.get("sampler"),
+                logits_processors=kwargs.get("logits_processors"),
+                prompt_progress_callback=kwargs.get("prompt_progress_callback"),
                 stop_tokens=tokenizer.eos_token_ids,
-                rollback=rollback,
-                decoder=decoder,
-                tuning=tuning,
-                # mlx-lm leaves a caller's cache holding every token it yielded
-                flush=decoder is not None or kwargs.get("prompt_cache") is not None,
-                **kwargs,
+                timing=timing,
+                flush=flush,
             ),
         )
     yield from _responses(model, tokenizer, prompt, tokens, max_tokens, stream, stats)

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import mlx_lm_compat
-from .hub import resolve_model, resolve_mtp_path
+from .hub.resolve import resolve_model, resolve_mtp_path
 from .models.fast_layers import enable_fast_layers
 from .models.gdn import make_verifiable
 from .models.identity import record_sources, weight_files
@@ -76,7 +76,7 @@ def load(
     ``mtp.*`` tensors of a raw checkpoint; None when there are none.
 
     ``path_or_hf_repo`` and ``mtp_path`` may be Hugging Face repo ids
-    (``revision``: the model's branch, tag or commit): see :mod:`mlx_spec.hub`.
+    (``revision``: the model's branch, tag or commit): see :mod:`mlx_spec.hub.resolve`.
 
     ``pipeline_group`` (an ``mx.distributed`` group of more than one process):
     this process keeps only its own layers (see :mod:`mlx_spec.models.pipeline`).

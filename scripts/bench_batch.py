@@ -44,7 +44,7 @@ import mlx.core as mx
 
 import mlx_spec
 from bench_helpers import interleaved, median_run
-from mlx_spec.commands.bench import load_workloads, machine_info
+from mlx_spec.timed_runs import load_workloads, machine_info
 from mlx_spec.core.batch import BatchDecoder, RowOptions
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.demo import default_model_path

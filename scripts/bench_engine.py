@@ -31,7 +31,7 @@ from collections import defaultdict
 
 import mlx_spec
 from bench_helpers import concurrent_clients, interleaved
-from mlx_spec.commands.bench import load_workloads, machine_info
+from mlx_spec.timed_runs import load_workloads, machine_info
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters import draft_names
 from mlx_spec.server.engine import Engine

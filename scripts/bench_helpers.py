@@ -1,6 +1,6 @@
 """What the benchmark scripts share besides ``mlx_spec bench``'s workloads:
 the median whole run and concurrent clients (rounds in alternating order come
-from :func:`mlx_spec.commands.bench.interleaved`, which the doctor uses too).
+from :func:`mlx_spec.timed_runs.interleaved`, which the doctor uses too).
 
 They serve measurement only, so they live beside the scripts rather than in
 the runtime package. A script run as ``python scripts/NAME.py`` imports them
@@ -11,7 +11,7 @@ import threading
 import time
 from typing import List
 
-from mlx_spec.commands.bench import interleaved
+from mlx_spec.timed_runs import interleaved
 
 __all__ = ["interleaved", "median_run", "concurrent_clients"]
 

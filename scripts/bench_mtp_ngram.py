@@ -27,7 +27,6 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 import mlx_spec
-from mlx_spec.core.decode import speculative_generate_step
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
@@ -88,11 +87,11 @@ class FixedRuleDrafter(MTPNgramDrafter):
     def prefer_copy(self, copy):
         if self.rule == "agree_or_long":
             return super().prefer_copy(copy)
-        if self.rule == "ngram_first" or self.mtp.next_logits() is None:
+        if self.rule == "ngram_first" or self.mtp.rows.next_logits() is None:
             return True
         if self.rule == "long":
             return self.ngram.match_length() >= self.ngram.max_ngram
-        return int(mx.argmax(self.mtp.next_logits()).item()) == copy[0]
+        return int(mx.argmax(self.mtp.rows.next_logits()).item()) == copy[0]
 
 
 def drafters(head, max_ngram=3):
@@ -142,14 +141,9 @@ def main():
                         for k in a.k:
                             for name, make in drafters(model.mtp_head):
                                 stats = SpecStats()
-                                gen = speculative_generate_step(
-                                    ids,
-                                    model,
-                                    make(),
-                                    num_draft_tokens=k,
-                                    max_tokens=a.max_tokens,
-                                    stats=stats,
-                                )
+                                options = mlx_spec.DecodeOptions(make(), k)
+                                session = mlx_spec.Session(model, options, stats=stats)
+                                gen = session.generate(ids, max_tokens=a.max_tokens)
                                 out = [int(t) for t, _, _ in gen][: a.max_tokens]
                                 assert out == ref, (family, kind, name, k)
                                 t = totals[(k, kind, pkind, name)]

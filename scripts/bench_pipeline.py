@@ -19,8 +19,7 @@ import time
 import mlx.core as mx
 
 import mlx_spec
-from mlx_spec.commands.bench import load_workloads, machine_info
-from mlx_spec.core.decode import SpeculativeDecoder
+from mlx_spec.timed_runs import load_workloads, machine_info
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.demo import default_model_path
 
@@ -28,9 +27,10 @@ from mlx_spec.demo import default_model_path
 def decode(model, tok, prompt, draft, k, max_tokens):
     """Tokens/s and tokens per pass of one greedy generation."""
     stats = SpecStats()
-    decoder = None
+    session = None
     if draft == "none":  # mlx-lm's loop runs a step ahead: use ours, no drafts
-        decoder = SpeculativeDecoder(model, None, max_draft=1, stats=stats)
+        options = mlx_spec.DecodeOptions("none", num_draft_tokens=0)
+        session = mlx_spec.Session(model, options, stats=stats)
         k = 0
     tic, n = time.perf_counter(), 0
     for r in mlx_spec.stream_generate(
@@ -40,7 +40,7 @@ def decode(model, tok, prompt, draft, k, max_tokens):
         max_tokens,
         draft=None if draft == "none" else draft,
         num_draft_tokens=k,
-        decoder=decoder,
+        session=session,
         stats=stats,
     ):
         if n == 0:

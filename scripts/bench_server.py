@@ -38,7 +38,7 @@ import mlx.core as mx
 
 import mlx_spec
 from bench_helpers import concurrent_clients, interleaved, median_run
-from mlx_spec.commands.bench import load_workloads, machine_info
+from mlx_spec.timed_runs import load_workloads, machine_info
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters import draft_names
 from mlx_spec.testing.server import free_port, mlx_spec_server, running_server

@@ -21,10 +21,10 @@ import tempfile
 from pathlib import Path
 
 from bench_server import stream
-from mlx_spec.commands.bench import machine_info
+from mlx_spec.timed_runs import machine_info
 from mlx_spec.demo import default_model_path
 from mlx_spec.mlx_lm_compat import load
-from mlx_spec.state_file import read_metadata
+from mlx_spec.states.file import read_metadata
 from mlx_spec.testing.server import free_port, mlx_spec_server, running_server
 
 QUESTIONS = [

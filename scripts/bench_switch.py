@@ -45,7 +45,7 @@ import statistics
 from dataclasses import replace
 
 import mlx_spec
-from mlx_spec.commands.bench import load_workloads, machine_info
+from mlx_spec.timed_runs import load_workloads, machine_info
 from mlx_spec.core.policy_tuning import DEFAULT_TUNING
 from mlx_spec.demo import default_model_path
 from mlx_spec.drafters.combined import MTPNgramDrafter

@@ -61,15 +61,17 @@ def _internal_edges():
 def test_every_folder_is_found():
     assert "mlx_spec.kernels.switch" in MODULES
     assert "mlx_spec.core.decode" in MODULES and "mlx_spec.testing" in MODULES
+    assert _folder("mlx_spec.models.mtp.head") == "mlx_spec.models"
+    assert _folder("mlx_spec.session") == "mlx_spec.session"
 
 
-def test_no_import_circle():
-    edges = _internal_edges()
+def _circles(edges):
+    """The import circles of the graph ``edges`` (node -> nodes it imports)."""
     state, cycles = {}, []
 
     def visit(node, stack):
         state[node] = "open"
-        for nxt in sorted(edges[node]):
+        for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == "open":
                 cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
@@ -79,7 +81,43 @@ def test_no_import_circle():
     for node in sorted(edges):
         if node not in state:
             visit(node, [node])
-    assert cycles == []
+    return cycles
+
+
+def _folder(name):
+    """The folder a module is in, under mlx_spec (``mlx_spec.core`` for
+    ``mlx_spec.core.batch``); a top-level module is a folder of its own."""
+    return ".".join(name.split(".")[:2])
+
+
+def _folder_edges():
+    """folder -> the other folders its modules import."""
+    edges = {}
+    for name, targets in _internal_edges().items():
+        others = {_folder(t) for t in targets} - {_folder(name)}
+        edges.setdefault(_folder(name), set()).update(others)
+    return edges
+
+
+def test_no_import_circle():
+    assert _circles(_internal_edges()) == []
+
+
+def test_no_import_circle_between_folders():
+    """The folders are layers (docs/layout.md): none imports one that
+    imports it back, through any number of others."""
+    assert _circles(_folder_edges()) == []
+
+
+def test_only_the_command_line_imports_the_commands():
+    """The library, the server and the doctor sit below the commands."""
+    allowed = {"mlx_spec.commands", "mlx_spec.__main__"}
+    importers = {
+        folder
+        for folder, targets in _folder_edges().items()
+        if "mlx_spec.commands" in targets
+    }
+    assert importers <= allowed, sorted(importers - allowed)
 
 
 def test_runtime_never_imports_test_support():

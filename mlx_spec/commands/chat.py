@@ -2,7 +2,7 @@
 
 Across turns only the new tokens are prefilled: the target's KV and GDN state,
 the drafter's state (MTP cache, n-gram index) and the history carry over in one
-:class:`~mlx_spec.core.sequence.SpeculativeDecoder`. Each turn's prompt is built as
+:class:`~mlx_spec.Session`. Each turn's prompt is built as
 ``mlx_lm.chat`` builds it (the chat template applied to the new user message),
 or, for a tokenizer without a chat template, the user's text as a plain
 continuation of the conversation so far.
@@ -20,18 +20,15 @@ import sys
 import time
 from typing import Optional
 
-import mlx.core as mx
-
-from ..core.decode import SpeculativeDecoder, speculative_generate_step
-from ..core.snapshot import capture, drafter_name, restore
-from ..core.policy import most_drafts
 from ..core.stats import SpecStats
-from ..drafters import default_draft, make_drafter
-from ..generate import check_options
+from ..drafters import default_draft
 from ..mlx_lm_compat import chat_arg_parser
+from ..model_files import load_model
 from ..models.pipeline import broadcast_text
-from ..server.state_cache import common_prefix
-from .model_files import load_model
+from ..session import Session, check_max_tokens
+from ..states.memory import common_prefix
+from ..states.session_file import check_writable, load_session, save_session
+from ..states.snapshot import capture, drafter_name
 from .common import (
     CommandError,
     add_penalty_flags,
@@ -42,13 +39,13 @@ from .common import (
     check_run_flags,
     check_state_dir_flags,
     command,
+    decode_options,
     join_pipeline,
     logits_processors_from_flags,
     open_state_store,
     refuse_unsupported,
     sampler_from_flags,
 )
-from .session import check_writable, load_session, save_session
 
 PROG = "mlx_spec chat"
 # mlx_lm.chat flags that speculative decoding here does not implement.
@@ -79,17 +76,10 @@ class ChatSession:
         self.reset()
 
     def reset(self):
-        args = self.args
-        draft = args.draft or default_draft(self.model)
-        drafter = make_drafter(draft, self.model, max_ngram=args.max_ngram)
-        self.decoder = SpeculativeDecoder(
-            self.model,
-            drafter,
-            max_draft=max(most_drafts(args.num_draft_tokens), 1),
-            rollback=args.rollback,
-            prefill_step_size=args.prefill_step_size,
-            stats=self.session_stats,
-        )
+        draft = self.args.draft or default_draft(self.model)
+        options = decode_options(self.args, draft)
+        self.session = Session(self.model, options, stats=self.session_stats)
+        self.decoder = self.session.decoder
 
     def turn_tokens(self, text: str):
         tok = self.tokenizer
@@ -115,7 +105,7 @@ class ChatSession:
         draft = drafter_name(self.decoder.drafter)
         state = self.store.lookup(draft, tokens[:-1])  # one token at least left
         if state is not None:
-            restore(self.decoder, state)
+            self.session.restore(state)
             n = len(state.history)
             return tokens[n:], n - state.pending
         shared = min(
@@ -137,12 +127,8 @@ class ChatSession:
         before = SpecStats(**vars(self.session_stats))
         detok = self.tokenizer.detokenizer
         detok.reset()
-        steps = speculative_generate_step(
-            mx.array(tokens),
-            self.model,
-            None,
-            decoder=self.decoder,
-            num_draft_tokens=self.args.num_draft_tokens,
+        steps = self.session.generate(
+            tokens,
             max_tokens=self.args.max_tokens,
             sampler=self.sampler,
             logits_processors=self.logits_processors,
@@ -316,7 +302,8 @@ def main(argv=None):
     check_run_flags(args)
     cache_file = args.prompt_cache_file
     with bad_input():
-        check_options(args.max_tokens, args.draft or "ngram", args.num_draft_tokens)
+        check_max_tokens(args.max_tokens)
+        decode_options(args, args.draft or "ngram")  # the model's default: below
         refuse_unsupported(args, _UNSUPPORTED)
         if cache_file:
             check_writable(cache_file)
@@ -338,7 +325,7 @@ def main(argv=None):
         chat = ChatSession(model, tokenizer, args, store)
         if cache_file:
             try:
-                load_session(cache_file, chat.decoder, model_path)
+                load_session(cache_file, chat.session, model_path)
             except FileNotFoundError:
                 pass  # a new session, saved there on exit
     quiet = group is not None and group.rank() != 0  # rank 0 speaks
@@ -355,5 +342,5 @@ def main(argv=None):
         store.close()  # the states handed to its writer are written
     if cache_file:
         with bad_input(OSError):
-            save_session(cache_file, chat.decoder, model_path)
+            save_session(cache_file, chat.session, model_path)
     return 0

@@ -9,7 +9,6 @@ import math
 import os
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,9 +17,11 @@ from ..core.sampling import make_sampler, xtc_special_tokens
 from ..core.state import ROLLBACK_STRATEGIES
 from ..drafters import draft_names
 from ..drafters.base import MAX_DRAFT_TOKENS
+from ..errors import InputError, reported_as
 from ..mlx_lm_compat import PENALTIES, make_logits_processors
 from ..models.pipeline import shared_seed
-from ..state_store import DEFAULT_DIR, StateStore, check_state_dir
+from ..session import DecodeOptions
+from ..states.store import DEFAULT_DIR, StateStore, check_state_dir
 
 BAD_INPUT = 2  # exit status, as argparse uses for bad flags
 
@@ -70,6 +71,19 @@ def add_draft_options(parser: argparse.ArgumentParser):
         f"Tokens drafted per verify pass (0..{MAX_DRAFT_TOKENS}), or 'auto' "
         "(default): chosen each pass from the measured verify cost and the "
         "acceptance so far, 0 while speculation does not pay."
+    )
+
+
+def decode_options(args, draft) -> DecodeOptions:
+    """The :class:`~mlx_spec.DecodeOptions` of the drafting flags, for the
+    drafter ``draft`` (``--draft``, or the model's default); ``ValueError``
+    naming a bad value."""
+    return DecodeOptions(
+        draft=draft,
+        num_draft_tokens=args.num_draft_tokens,
+        max_ngram=args.max_ngram,
+        rollback=args.rollback,
+        prefill_step_size=args.prefill_step_size,
     )
 
 
@@ -134,28 +148,22 @@ def refuse_unsupported(args, flags):
             raise CommandError(f"{flag} is not supported with speculative decoding")
 
 
-class CommandError(Exception):
+class CommandError(InputError):
     """Bad input to a command: printed as one line, exit status 2."""
 
 
-def one_line(error: BaseException) -> str:
-    """The message of ``error`` on one line (with its type where that is unclear)."""
-    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-    if isinstance(error, (OSError, ValueError, RuntimeError)) and text:
-        return text
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
 def command(prog: str):
-    """Decorate a command's ``main(argv)``: a :class:`CommandError` it raises is
-    printed as ``prog: message`` on stderr and returned as exit status 2."""
+    """Decorate a command's ``main(argv)``: an :class:`~mlx_spec.errors.InputError`
+    it raises (a :class:`CommandError`, or the library's own, e.g. a model
+    that cannot be opened) is printed as ``prog: message`` on stderr and
+    returned as exit status 2."""
 
     def decorate(main):
         @functools.wraps(main)
         def run(argv=None):
             try:
                 return main(argv)
-            except CommandError as e:
+            except InputError as e:
                 print(f"{prog}: {e}", file=sys.stderr)
                 return BAD_INPUT
 
@@ -164,14 +172,9 @@ def command(prog: str):
     return decorate
 
 
-@contextmanager
 def bad_input(*errors):
     """Report ``errors`` (default: ``ValueError``) raised in the block as bad input."""
-    caught = errors or (ValueError,)
-    try:
-        yield
-    except caught as e:
-        raise CommandError(one_line(e)) from None
+    return reported_as(CommandError, *errors)
 
 
 def check_sampling_flags(args):

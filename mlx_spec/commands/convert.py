@@ -12,7 +12,7 @@ weights are copied (re-cast / re-quantised) without a second shift. It may
 be a Hugging Face repo id (the whole checkpoint is downloaded).
 
 ``--mtp-from REPO_OR_DIR`` instead reads only the MTP tensors: from a repo,
-HTTP range reads of the shards that hold them (:mod:`mlx_spec.mtp_fetch`);
+HTTP range reads of the shards that hold them (:mod:`mlx_spec.hub.mtp_fetch`);
 ``--mlx-path`` must then be an existing MLX model directory.
 """
 
@@ -26,10 +26,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from .. import mlx_lm_compat
-from ..hub import is_repo_id, resolve_model
+from ..hub.resolve import is_repo_id, resolve_model
 from ..models.fingerprint import signature_to_text, weight_signature
 from ..models.mtp.attach import build_head, load_mtp_weights
-from ..mtp_fetch import fetch_mtp_checkpoint
+from ..hub.mtp_fetch import fetch_mtp_checkpoint
 from ..models.mtp.weights import (
     PREFIX,
     SIDECAR_NAME,
@@ -41,8 +41,9 @@ from ..models.mtp.weights import (
     model_metadata,
     write_sidecar,
 )
-from .common import BAD_INPUT, CommandError, one_line
-from .model_files import check_model_files
+from ..errors import InputError, one_line
+from ..model_files import check_model_files
+from .common import BAD_INPUT
 
 MTP_DTYPES = ("bfloat16", "float16", "float32")
 MTP_BITS = (4, 8)
@@ -285,7 +286,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             revision=a.revision,
             mtp_only=a.mtp_from is not None,
         )
-    except (CommandError, MTPWeightsError, OSError, ValueError) as e:
+    except (InputError, MTPWeightsError, OSError, ValueError) as e:
         print(f"mlx_spec convert: {one_line(e)}", file=sys.stderr)
         return BAD_INPUT
     print(f"wrote {path}")

@@ -6,11 +6,12 @@ import sys
 import warnings
 from contextlib import contextmanager
 
-from ..core.sequence import SpeculativeDecoder
+from ..errors import one_line
 from ..generate import generate, vocab_size
 from ..mlx_lm_compat import generate_arg_parser
 from ..models.mtp import MTPDisabledWarning, mtp_report
-from .model_files import load_model
+from ..session import DecodeOptions, Session
+from ..model_files import load_model
 from .common import (
     CommandError,
     add_extra_eos_tokens,
@@ -22,7 +23,6 @@ from .common import (
     command,
     join_pipeline,
     logits_processors_from_flags,
-    one_line,
     read_text,
     refuse_unsupported,
     sampler_from_flags,
@@ -135,7 +135,7 @@ def main(argv=None):
     if group is not None and (args.draft == "none" or args.num_draft_tokens == 0):
         # mlx-lm's own loop computes a step ahead, which a pipeline cannot
         # leave cleanly: plain decoding is our loop with no drafts instead.
-        extra["decoder"] = SpeculativeDecoder(model, None, max_draft=1)
+        extra["session"] = Session(model, DecodeOptions("none", num_draft_tokens=0))
         args.num_draft_tokens = 0
     report = mtp_report(model)  # which file and layout the head came from
     asks_mtp = args.draft is not None and args.draft.startswith("mtp")

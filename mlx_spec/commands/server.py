@@ -25,7 +25,7 @@ from ..server.limits import BODY_SECONDS, HEADER_SECONDS, WRITE_SECONDS
 from ..server.limits import ClientLimits
 from ..server.requests import MAX_TEMPERATURE, MAX_TOKENS_LIMIT, MIN_TEMPERATURE
 from ..server.requests import ServerContext
-from .model_files import load_model, model_name
+from ..model_files import load_model, model_name
 from .common import (
     CommandError,
     add_draft_options,

@@ -16,7 +16,7 @@ every member's rows, at their own offsets. Then:
   fewer steps, or not drafting, rides along and its position is dropped).
   The draft-time rows are dropped right after drafting (nothing reads them),
   and each drafter is offered its tokens (lazy: they are the verify pass's
-  input), logits and q, which its ``draft_tokens(k)`` then returns.
+  input), logits and q, which its ``propose(k)`` then returns.
 - :meth:`MTPBatch.draft_rows`: both, for the rows of a pass that draft from
   their head's state. The host waits for neither: the verify pass is built
   on top, and its one synchronisation evaluates the drafts too.
@@ -134,7 +134,7 @@ class MTPBatch:
     def draft_rows(self, drafting: List[Tuple[object, int]]) -> Tuple[int, int]:
         """Catch up and draft at once every row of ``drafting`` (a batch
         row's drafter and its draft length) whose draft comes from the
-        state of a member head; their ``draft_tokens(k)`` then return these
+        state of a member head; their ``propose(k)`` then return these
         drafts, lazily. Returns the head steps run and the positions of the
         catch-up."""
         index = {id(m): i for i, m in enumerate(self.members)}

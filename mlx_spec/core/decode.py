@@ -3,28 +3,25 @@
 The sequence is a batch of one (:meth:`BatchDecoder.alone`): each pass the
 engine drafts, runs the target once over the pending token and the draft,
 and verifies; this loop yields what it emitted and commits what the caller
-read.
+read. The decoder comes opened (:class:`mlx_spec.Session` builds it, and
+tells its drafter how drafts will be sampled before the prompt is fed).
 """
 
 from typing import Callable, Collection, Generator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from ..drafters import contract
 from .batch import BatchDecoder, RowOptions
-from .policy import most_drafts
 from .policy_tuning import DEFAULT_TUNING, PolicyTuning
-from .sampling import make_draft_sampler, make_sampler, verification_of
 from .sequence import SpeculativeDecoder
-from .stats import PhaseClock, SpecStats
+from .stats import PhaseClock
 
-__all__ = ["SpeculativeDecoder", "speculative_generate_step"]
+__all__ = ["SpeculativeDecoder", "decode_steps"]
 
 
-def speculative_generate_step(
-    prompt: mx.array,
-    model,
-    drafter,
+def decode_steps(
+    decoder: SpeculativeDecoder,
+    tokens: List[int],
     *,
     num_draft_tokens: Union[int, str] = 3,
     verify_costs: Optional[List[float]] = None,
@@ -33,47 +30,28 @@ def speculative_generate_step(
     logits_processors: Optional[List[Callable]] = None,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stop_tokens: Collection[int] = (),
-    decoder: Optional[SpeculativeDecoder] = None,
     should_stop: Callable[[], bool] = lambda: False,
     flush: bool = False,
     timing: bool = False,
-    stats: Optional[SpecStats] = None,
     tuning: PolicyTuning = DEFAULT_TUNING,
-    **decoder_args,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
-    """Yield ``(token, logprobs [V], from_draft)`` like mlx-lm's ``generate_step``.
+    """Feed ``tokens`` ([N] ids: a prompt, or a later turn's) to ``decoder``
+    and yield ``(token, logprobs [V], from_draft)`` like mlx-lm's ``generate_step``.
 
-    prompt: [N] token ids. Each iteration drafts up to ``num_draft_tokens``
-    tokens (``"auto"``: chosen per pass by :class:`DraftLengthPolicy` from
-    ``verify_costs``, else the measured profiles),
-    verifies ``[last, *draft]`` in one target pass, yields the longest prefix
-    the target agrees with plus the target's own next token, and rolls every
-    cache back to what was yielded (also when the caller stops early).
-    Generation stops after a ``stop_tokens`` token or ``max_tokens`` tokens,
-    or after the pass during which ``should_stop()`` became true. ``decoder``
-    continues an earlier generation (chat); ``flush`` processes the last
-    token at the end, as mlx-lm does (the caches then hold every token);
-    ``timing`` fills ``stats.phases`` (at the cost of extra syncs);
-    ``tuning``: the constants of ``auto`` (an experiment's variant).
+    Each iteration drafts up to ``num_draft_tokens`` tokens (``"auto"``:
+    chosen per pass by :mod:`.draft_lengths` from ``verify_costs``, else
+    the measured profiles), verifies ``[last, *draft]`` in one target pass,
+    yields the longest prefix the target agrees with plus the target's own
+    next token, and rolls every cache back to what was yielded (also when
+    the caller stops early). Generation stops after a ``stop_tokens`` token
+    or ``max_tokens`` tokens, or after the pass during which ``should_stop()``
+    became true. ``flush`` processes the last token at the end, as mlx-lm
+    does (the caches then hold every token); ``timing`` fills
+    ``decoder.stats.phases`` (at the cost of extra syncs); ``tuning``: the
+    constants of ``auto`` (an experiment's variant).
     """
-    max_draft = most_drafts(num_draft_tokens)
-    if decoder is None:
-        decoder = SpeculativeDecoder(
-            model, drafter, max_draft, stats=stats, **decoder_args
-        )
     engine = BatchDecoder.alone(decoder, tuning)
     progress = prompt_progress_callback or (lambda *_: None)
-    tokens = prompt.tolist()
-    if decoder.drafter is not None:
-        # How drafts will be chosen decides which of the prompt's rows the
-        # drafter judges in hindsight (auto reads them): said before the feed.
-        chosen_by = sampler or make_sampler(0.0)
-        choose = make_draft_sampler(
-            chosen_by, logits_processors, tokens, verification_of(chosen_by)
-        )
-        contract.set_sampling(decoder.drafter, choose)
-        if num_draft_tokens == "auto":
-            contract.judged(decoder.drafter)  # judging on from the prompt's rows
     progress(0, len(tokens))
     decoder.feed(tokens, lambda n: progress(n, len(tokens)))
     options = RowOptions(

@@ -6,8 +6,8 @@ nothing more about acceptance; a workload that turns predictable (a copy, a
 repeated answer) would go unnoticed. :class:`ProbeSchedule` decides when
 such a policy drafts one token (a probe) and how long it waits after one,
 keeping what probes cost a bounded share of the plain passes between them.
-Both the single-sequence policy (:mod:`.policy`) and the batch's per-row
-draft lengths (:mod:`.batch_policy`) keep one per policy. Constants:
+Each group of rows sharing a draft length keeps one
+(:mod:`.draft_lengths`; a sequence alone is one row of one group). Constants:
 :mod:`.policy_tuning`; the evidence: ``docs/auto_policy.md``.
 """
 

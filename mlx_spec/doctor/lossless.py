@@ -10,7 +10,7 @@ several tokens differently from one-token steps (README, Losslessness).
 
 from typing import Callable, List, Optional
 
-from ..commands.bench import run_plain, run_spec, first_difference
+from ..timed_runs import run_plain, run_spec, first_difference
 from .result import FAIL, PASS, Part
 
 QUICK_DRAFT_LENGTHS = (4,)

@@ -1,8 +1,8 @@
 """The doctor's model part: what was loaded and whether its MTP head is
 this model's and works.
 
-Loading goes through the commands' own loader (repo ids, every file checked
-and named); the head's provenance is what discovery recorded on the model
+Loading goes through the commands' loader (:mod:`mlx_spec.model_files`:
+repo ids, every file checked and named); the head's provenance is what discovery recorded on the model
 (``model.mtp_info``, :func:`~mlx_spec.models.mtp.mtp_report`). Two checks
 of the head go beyond loading: a sidecar's weight signature is compared with
 the model's again (the cosine of each signature row is reported), and the
@@ -20,9 +20,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..commands.common import CommandError
-from ..commands.model_files import load_model
 from ..core.target import _lm_head
+from ..errors import InputError
+from ..model_files import load_model
 from ..models.fingerprint import (
     SAME_WEIGHTS_COSINE,
     signature_from_text,
@@ -46,7 +46,7 @@ HEAD_PROBE_TEXT = (
 
 
 def load_for_doctor(name: Optional[str], revision=None) -> Tuple[Path, object, object]:
-    """``(path, model, tokenizer)``; CommandError with one line on failure.
+    """``(path, model, tokenizer)``; an InputError with one line on failure.
     The warning of a refused head is not printed: the report says it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -189,7 +189,7 @@ def check_model(part: Part, name: Optional[str], revision=None):
     part.facts["requested"] = name or "the bundled demo model"
     try:
         path, model, tokenizer = load_for_doctor(name, revision)
-    except CommandError as e:
+    except InputError as e:
         part.check("load", FAIL, str(e))
         part.settle("")
         return None

@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import List
 
-from ..commands.bench import load_workloads
+from ..timed_runs import load_workloads
 
 QUICK_FILE = "data/doctor_prompts.jsonl"
 

@@ -13,7 +13,7 @@
 import statistics
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..commands.bench import run_plain, run_spec, first_difference, interleaved
+from ..timed_runs import run_plain, run_spec, first_difference, interleaved
 from ..core.verify_profile import verify_cost_profile
 from .lossless import available_drafters
 from .result import FAIL, PASS, Part

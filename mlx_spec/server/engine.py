@@ -16,7 +16,7 @@ last one emitted when it leaves): keeping one costs no forward, and a later
 prompt that continues it processes that token in its own prefill. A prompt
 that begins like one being prefilled waits for it to reach the end of the
 common part and continues from the state kept there (:mod:`.prefill`).
-With a disk tier (:mod:`mlx_spec.state_store`), states leaving memory, and
+With a disk tier (:mod:`mlx_spec.states.store`), states leaving memory, and
 all of them when the engine closes, are written in the background; a prompt
 that continues a longer state on disk than in memory loads it.
 
@@ -35,26 +35,23 @@ import queue
 import threading
 import time
 from dataclasses import asdict
-from typing import Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
 from ..core.batch import BatchDecoder, RowOptions
-from ..core.sequence import SpeculativeDecoder
-from ..core.policy import most_drafts
 from ..core.sampling import make_sampler, xtc_special_tokens
-from ..core.snapshot import capture, restore
 from ..core.stats import SpecStats
-from ..drafters import make_drafter
 from ..drafters.base import MAX_DRAFT_TOKENS
-from ..generate import check_options
 from ..mlx_lm_compat import make_logits_processors
 from ..models.pipeline import broadcast_bytes
-from ..state_store import StateStore
+from ..session import DecodeOptions, Session, check_max_tokens
+from ..states.snapshot import capture, shared
+from ..states.store import StateStore
 from .events import Finished, GenerationParams, Job, Progress, Started, TextRouter
 from .events import Token
 from .prefill import Joining, PrefillQueue
-from .state_cache import StateCache
+from ..states.memory import StateCache
 
 log = logging.getLogger("mlx_spec.server")
 
@@ -297,7 +294,14 @@ class Engine:
             )
             if draft == "none":
                 num_draft_tokens = 0
-            check_options(p.max_tokens, draft, num_draft_tokens)
+            check_max_tokens(p.max_tokens)
+            options = DecodeOptions(
+                draft=draft,
+                num_draft_tokens=num_draft_tokens,
+                max_ngram=self.max_ngram,
+                rollback=self.rollback,
+                prefill_step_size=self.prefill_step_size,
+            )
             self._budget(job)  # a prompt that fills the context fails here
             state = self._kept(draft, job.prompt)
             covered = 0 if state is None else len(state.history)
@@ -306,23 +310,27 @@ class Engine:
             fresh = self.states.lookup(draft, job.prompt)  # one kept just now?
             if fresh is not None and len(fresh.history) > covered:
                 state = fresh
-            drafter = make_drafter(draft, self.model, max_ngram=self.max_ngram)
-            decoder = SpeculativeDecoder(
-                self.model,
-                drafter,
-                max_draft=max(most_drafts(num_draft_tokens), 1),
-                rollback=self.rollback,
-                prefill_step_size=self.prefill_step_size,
-                stats=SpecStats(),
-            )
+            kept = None if state is None else shared(state)  # it stays kept
+            session = Session(self.model, options, state=kept)
+            sampler, processors = self._sampling(p)
+            # as for a lone generation: said before any of the prompt is fed
+            session.set_sampling(sampler, processors, job.prompt)
             new, cached = job.prompt, 0
             if state is not None:
-                restore(decoder, state, copy_caches=True)
                 new = job.prompt[len(state.history) :]
                 cached = len(state.history) - state.pending
-            counters = speculation_counters(draft, decoder.stats, 0.0)
+            counters = speculation_counters(draft, session.stats, 0.0)
             job.put(Started(len(job.prompt), cached), Progress(counters))
-            j = Joining(job, draft, num_draft_tokens, decoder, new, len(new) > 1)
+            j = Joining(
+                job,
+                draft,
+                num_draft_tokens,
+                session.decoder,
+                new,
+                len(new) > 1,
+                sampler=sampler,
+                logits_processors=processors,
+            )
             self.prefills.join(j, p.shared_prefix)
         except Exception as e:  # reported to its client; the others go on
             log.exception("request failed")
@@ -353,13 +361,8 @@ class Engine:
         for job in self.prefills.feed(budget, lambda j: self._admit(batch, j)):
             self._start(job)
 
-    def _admit(self, batch: BatchDecoder, j: Joining):
-        """A prompt fed (its last token pending; its state kept, so that the
-        next turn's prompt extends it even when this reply is tokenized
-        differently there) joins the batch."""
-        p = j.job.params
-        if p.seed is not None:
-            mx.random.seed(p.seed)
+    def _sampling(self, p: GenerationParams) -> Tuple[Callable, List[Callable]]:
+        """The sampler and logits processors a request's fields ask for."""
         sampler = make_sampler(
             p.temperature,
             p.top_p,
@@ -370,16 +373,25 @@ class Engine:
             xtc_threshold=p.xtc_threshold,
             xtc_special_tokens=xtc_special_tokens(self.tokenizer),
         )
+        return sampler, make_logits_processors(**p.logits)
+
+    def _admit(self, batch: BatchDecoder, j: Joining):
+        """A prompt fed (its last token pending; its state kept, so that the
+        next turn's prompt extends it even when this reply is tokenized
+        differently there) joins the batch."""
+        p = j.job.params
+        if p.seed is not None:
+            mx.random.seed(p.seed)
         budget = self._budget(j.job)
         output = _Output(j.job, self.tokenizer, j.draft, budget, j.decoder.stats)
         id = batch.add(
             j.decoder,
             RowOptions(
                 budget,
-                sampler,
+                j.sampler,
                 j.num_draft_tokens,
                 stop_tokens=self.tokenizer.eos_token_ids,
-                logits_processors=make_logits_processors(**p.logits),
+                logits_processors=j.logits_processors,
             ),
         )
         self._live[id] = output

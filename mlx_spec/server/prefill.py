@@ -19,12 +19,12 @@ conversation with the same system prompt then begins from it.
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, List, Set, Tuple, Union
+from typing import Callable, List, Optional, Set, Tuple, Union
 
 from ..core.sequence import SpeculativeDecoder
-from ..core.snapshot import capture
+from ..states.snapshot import capture
 from .events import Job
-from .state_cache import StateCache, common_prefix
+from ..states.memory import StateCache, common_prefix
 
 log = logging.getLogger("mlx_spec.server")
 
@@ -42,6 +42,9 @@ class Joining:
     todo: List[int]  # prompt tokens still to feed; the last one stays pending
     keep: bool  # keep the state at the end of the prompt
     marks: Set[int] = field(default_factory=set)  # keep a state at these lengths
+    # how its tokens are chosen once it decodes (mlx-lm's; None: greedy, none)
+    sampler: Optional[Callable] = None
+    logits_processors: Optional[List[Callable]] = None
 
     @property
     def fed(self) -> int:

@@ -15,7 +15,7 @@ from ..drafters import draft_names
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..mlx_lm_compat import PENALTIES, server_message_helpers
 from .events import GenerationParams
-from .state_cache import common_prefix
+from ..states.memory import common_prefix
 
 MAX_TOP_LOGPROBS = 20
 MAX_TOKENS_LIMIT = 32768  # the default ceiling on a reply's tokens

@@ -102,19 +102,14 @@ def speculative_first_tokens(
     """The first three tokens [n_runs, 3] of ``n_runs`` sampled speculative
     generations of ``prompt`` (one sequence, ``k`` drafts a pass); ``stats``
     (a ``SpecStats``) sums their speculation counters."""
-    from ..core.decode import speculative_generate_step
+    from ..session import DecodeOptions, Session
 
     mx.random.seed(seed)
     runs = []
     for _ in range(n_runs):
-        steps = speculative_generate_step(
-            mx.array(prompt),
-            model,
-            make_drafter(drafter_name, model),
-            num_draft_tokens=k,
-            max_tokens=3,
-            sampler=sampler,
-            stats=stats,
+        options = DecodeOptions(make_drafter(drafter_name, model), k)
+        steps = Session(model, options, stats=stats).generate(
+            prompt, max_tokens=3, sampler=sampler
         )
         runs.append([t for t, _, _ in steps])
     return np.array(runs)

@@ -5,11 +5,11 @@ another model or another format version)."""
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ..core.snapshot import DecoderState
+from ..states.snapshot import DecoderState
 from ..server.engine import Engine
 from ..server.events import GenerationParams, Job
-from ..state_file import plain_state, read_state, write_state
-from ..state_store import Identity, StateStore, file_name
+from ..states.file import plain_state, read_state, write_state
+from ..states.store import Identity, StateStore, file_name
 from .reference import tokens_of
 from .server import job_events
 

@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_spec.commands.bench as bench
+import mlx_spec.timed_runs as timed_runs
 
 ROW_KEYS = {
     "workload": str,
@@ -86,7 +87,7 @@ def test_bench_fails_when_speculation_changes_a_token(
 ):
     """The negative control of the lossless column: a speculative stream
     whose third token is changed is reported, and the command fails."""
-    real = bench.stream_generate
+    real = timed_runs.stream_generate
 
     def one_token_off(*args, **kwargs):
         for i, r in enumerate(real(*args, **kwargs)):
@@ -94,7 +95,7 @@ def test_bench_fails_when_speculation_changes_a_token(
                 r.token = r.token + 1
             yield r
 
-    monkeypatch.setattr(bench, "stream_generate", one_token_off)
+    monkeypatch.setattr(timed_runs, "stream_generate", one_token_off)
     model = str(checkpoint_dirs["qwen3_next"])
     argv = ["--model", model, "--draft", "ngram", "--num-draft-tokens", "2"]
     argv += ["--workloads-file", _one_workload(tmp_path), "--repeats", "1"]
@@ -107,17 +108,19 @@ def test_bench_fails_when_speculation_changes_a_token(
 
 def test_first_difference():
     plain = [{"tokens": [1, 2, 3]}] * 2
-    assert bench.first_difference(plain, [{"tokens": [1, 2, 3]}]) is None
-    assert bench.first_difference(plain, [{"tokens": [1, 5, 3]}]) == 1
-    assert bench.first_difference(plain, [{"tokens": [1, 2]}]) == 2  # stopped early
+    assert timed_runs.first_difference(plain, [{"tokens": [1, 2, 3]}]) is None
+    assert timed_runs.first_difference(plain, [{"tokens": [1, 5, 3]}]) == 1
+    assert (
+        timed_runs.first_difference(plain, [{"tokens": [1, 2]}]) == 2
+    )  # stopped early
     unsteady = [{"tokens": [1, 2, 3]}, {"tokens": [1, 2, 4]}]
-    assert bench.first_difference(unsteady, [{"tokens": [1, 2, 3]}]) == -1
+    assert timed_runs.first_difference(unsteady, [{"tokens": [1, 2, 3]}]) == -1
 
 
 def test_bundled_workloads_cover_every_kind(models):
     _, tok = models["qwen3_next"]
-    rows = bench.load_workloads(tokenizer=tok)
-    assert {r["kind"] for r in rows} == set(bench.KINDS)
+    rows = timed_runs.load_workloads(tokenizer=tok)
+    assert {r["kind"] for r in rows} == set(timed_runs.KINDS)
     long = [r for r in rows if r["kind"] == "long"]
     assert all(len(tok.encode(r["prompt"])) >= 2048 for r in long)
 
@@ -149,7 +152,7 @@ def test_bad_workloads_file_is_one_line(
 
 
 @pytest.mark.skipif(
-    not bench.blas_in_use().startswith("reference BLAS"),
+    not timed_runs.blas_in_use().startswith("reference BLAS"),
     reason="a preloaded BLAS may round a row differently with the row count",
 )
 def test_reference_blas_rows_do_not_depend_on_the_row_count():

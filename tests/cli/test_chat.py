@@ -15,7 +15,7 @@ from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
 from mlx_spec.commands.chat import ChatSession, main, setup_parser
-from mlx_spec.commands.session import save_session
+from mlx_spec.states.session_file import save_session
 
 TURNS = ["def area(width, height):", "x = area(3, 4)", "print(x)"]
 
@@ -104,6 +104,17 @@ def test_three_turns_match_mlx_lm_and_prefill_only_new_tokens(checkpoint_dirs, m
     assert f"prefilled {ref[2][1]} tokens" in stats  # turn 3: its own tokens only
     context = int(stats.split(" tokens of context")[0].split()[-1])
     assert ref[2][1] < context // 3
+
+
+@pytest.mark.parametrize("draft", ["ngram", "mtp+ngram"])
+def test_every_family_chats_as_mlx_lm(models, family, draft):
+    """A chat's turns, one session across them, are mlx-lm's replies with one
+    prompt cache for the conversation, on every family."""
+    model, tok = models[family]
+    args = setup_parser().parse_args(["--max-tokens", "16", "--draft", draft])
+    chat = ChatSession(model, tok, args)
+    got = ["".join(chat.reply(text)) for text in TURNS]
+    assert got == [text for text, _ in reference_replies(model, tok, TURNS, 16)]
 
 
 def test_penalty_flags_apply_to_every_turn(
@@ -282,7 +293,7 @@ def test_unreadable_prompt_cache_file_is_one_line(
     else:
         chat = ChatSession(model, tok, setup_parser().parse_args([]))
         list(chat.reply(TURNS[0]))
-        save_session(path, chat.decoder)
+        save_session(path, chat.session)
         data = path.read_bytes()
         path.write_bytes(
             data[: len(data) // 2] if damage == "truncated" else data[::-1]
@@ -339,10 +350,10 @@ def test_a_session_file_of_an_earlier_version_is_refused_by_name(models, tmp_pat
     """Files of the first layout named their model by its config and a few
     weight rows, which a fine-tune shares with its base: they are refused
     with a message saying why, and the decoder is left as it was."""
-    from mlx_spec.commands.session import EARLIER_FORMATS, load_session
-    from mlx_spec.core.snapshot import capture
+    from mlx_spec.states.session_file import EARLIER_FORMATS, load_session
+    from mlx_spec.states.snapshot import capture
     from mlx_spec.mlx_lm_compat import ArraysCache, save_prompt_cache
-    from mlx_spec.state_file import plain_state
+    from mlx_spec.states.file import plain_state
 
     model, tok = models["qwen3_5"]
     args = setup_parser().parse_args([])
@@ -363,6 +374,6 @@ def test_a_session_file_of_an_earlier_version_is_refused_by_name(models, tmp_pat
     save_prompt_cache(str(path), state.caches + [session, extra], meta)
     again = ChatSession(model, tok, args)
     with pytest.raises(ValueError, match="earlier mlx_spec") as refused:
-        load_session(path, again.decoder)
+        load_session(path, again.session)
     assert str(path) in str(refused.value)
     assert again.decoder.history == []

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from mlx_spec.commands.chat import main
-from mlx_spec.state_store import STALE_TEMP_S
+from mlx_spec.states.store import STALE_TEMP_S
 from mlx_spec.testing.checkpoints import fine_tune_copy
 
 # A system prompt of well over SHARED_MIN tokens on the tiny checkpoints.

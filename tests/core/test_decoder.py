@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_spec.core.decode import SpeculativeDecoder, speculative_generate_step
+from mlx_spec.core.sequence import SpeculativeDecoder
 from mlx_spec.drafters import make_drafter
 from mlx_spec.testing.reference import (
     OracleDrafter,
@@ -13,6 +13,7 @@ from mlx_spec.testing.reference import (
     reference_tokens,
 )
 from mlx_spec.core.batch import BatchDecoder, RowOptions
+from mlx_spec.session import DecodeOptions, Session
 
 TURNS = [
     prompts("mixed", seed=1),
@@ -51,18 +52,11 @@ def test_turns_match_plain_and_state_is_exact(models, family, drafter_kind):
         if drafter_kind == "oracle"
         else make_drafter("ngram", model)
     )
-    decoder = SpeculativeDecoder(model, drafter, max_draft=5)
+    session = Session(model, DecodeOptions(drafter, num_draft_tokens=5))
+    decoder = session.decoder
     out = []
     for turn in TURNS:
-        steps = speculative_generate_step(
-            mx.array(turn),
-            model,
-            None,
-            decoder=decoder,
-            num_draft_tokens=5,
-            max_tokens=20,
-            stop_tokens={eos},
-        )
+        steps = session.generate(turn, max_tokens=20, stop_tokens={eos})
         out.append([t for t, _, _ in steps])
     assert out == ref
     # Only each turn's own tokens were prefilled: the history is the conversation.
@@ -83,18 +77,10 @@ def test_stop_token_inside_accepted_draft_leaves_plain_state(models):
         ref, ref_cache = plain_conversation(model, tok, [prompt], 30)
     finally:
         tok.eos_token_ids = {399}
-    decoder = SpeculativeDecoder(model, OracleDrafter(prompt + ref[0] + [1] * 10), 6)
-    steps = list(
-        speculative_generate_step(
-            mx.array(prompt),
-            model,
-            None,
-            decoder=decoder,
-            num_draft_tokens=6,
-            max_tokens=30,
-            stop_tokens={eos},
-        )
-    )
+    oracle = OracleDrafter(prompt + ref[0] + [1] * 10)
+    session = Session(model, DecodeOptions(oracle, num_draft_tokens=6))
+    decoder = session.decoder
+    steps = list(session.generate(prompt, max_tokens=30, stop_tokens={eos}))
     assert [t for t, _, _ in steps] == ref[0]
     assert steps[-1][2], "the stop token was an accepted draft"
     assert decoder.pending == []  # the target already processed it
@@ -138,7 +124,7 @@ def test_queued_plain_passes_are_plain_decoding(
         tok.eos_token_ids = {399}
     assert ref[1][-1] == eos and len(ref[0]) == 12
 
-    drafter, k, costs = None, 0, None
+    drafter, k, costs = "none", 0, None
     if drafter_kind == "ngram-off":
         drafter = make_drafter("ngram", model)
     elif drafter_kind == "auto-off":  # drafts never accepted: auto turns them off
@@ -150,18 +136,12 @@ def test_queued_plain_passes_are_plain_decoding(
     monkeypatch.setattr(
         mx, "async_eval", lambda *a: queued.append(1) or real_async_eval(*a)
     )
-    decoder = SpeculativeDecoder(model, drafter, max_draft=8)
+    session = Session(model, DecodeOptions(drafter, num_draft_tokens=k))
+    decoder = session.decoder
     out = []
     for turn, stop_after in zip(TURNS, (12, None, None)):
-        steps = speculative_generate_step(
-            mx.array(turn),
-            model,
-            None,
-            decoder=decoder,
-            num_draft_tokens=k,
-            verify_costs=costs,
-            max_tokens=20,
-            stop_tokens={eos},
+        steps = session.generate(
+            turn, verify_costs=costs, max_tokens=20, stop_tokens={eos}
         )
         reply = []
         for t, _, _ in steps:

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_spec.core.decode import SpeculativeDecoder
-from mlx_spec.core.snapshot import capture, restore
+from mlx_spec.states.snapshot import capture, restore
 from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.testing.mtp_heads import count_head_rows

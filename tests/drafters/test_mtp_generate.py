@@ -11,12 +11,12 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
 import mlx_spec
-from mlx_spec.core.decode import speculative_generate_step
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.drafters import draft_names, make_drafter
 from mlx_spec.drafters.combined import MTPNgramDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.generate import stream_generate
+from mlx_spec.session import DecodeOptions, Session
 from mlx_spec.models.mtp import MTPKVCache, MTPUnavailableError
 from mlx_spec.testing.checkpoints import FAMILIES
 from mlx_spec.testing.mtp_heads import (
@@ -65,14 +65,8 @@ def spec(model, tok, prompt, drafter, k, max_tokens=MAX_TOKENS, stats=None):
 
 def run_loop(model, prompt_ids, drafter, k, max_tokens=MAX_TOKENS):
     stats = SpecStats()
-    gen = speculative_generate_step(
-        mx.array(prompt_ids),
-        model,
-        drafter,
-        num_draft_tokens=k,
-        max_tokens=max_tokens,
-        stats=stats,
-    )
+    session = Session(model, DecodeOptions(drafter, num_draft_tokens=k), stats=stats)
+    gen = session.generate(prompt_ids, max_tokens=max_tokens)
     return [t for t, _, _ in gen], stats
 
 
@@ -393,11 +387,8 @@ def test_greedy_rows_under_processors_are_judged_in_hindsight(models, temp, judg
     model, tok = models["qwen3_next"]
     drafter = MTPDrafter(model.mtp_head)
     assert drafter.hindsight() == {}  # asking turns judging on
-    steps = speculative_generate_step(
-        mx.array(tok.encode(COPY_PROMPT)),
-        model,
-        drafter,
-        num_draft_tokens=0,
+    steps = Session(model, DecodeOptions(drafter, num_draft_tokens=0)).generate(
+        tok.encode(COPY_PROMPT),
         max_tokens=8,
         sampler=make_sampler(temp),
         logits_processors=make_logits_processors(repetition_penalty=1.5),

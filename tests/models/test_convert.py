@@ -13,11 +13,11 @@ from safetensors.numpy import load_file, save_file
 
 import mlx_spec
 from mlx_spec.commands.convert import build_parser, convert, main
-from mlx_spec.core.decode import speculative_generate_step
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.models.mtp import MTP_NORMS
 from mlx_spec.models.mtp.discovery import model_shards_with_mtp
+from mlx_spec.session import DecodeOptions, Session
 from mlx_spec.testing.checkpoints import FAMILIES
 from mlx_spec.testing.mtp_heads import sidecar_metadata
 
@@ -36,14 +36,8 @@ class Recording(MTPDrafter):
 
 def run(model, tok, k=3, max_tokens=20):
     drafter, stats = Recording(model.mtp_head), SpecStats()
-    gen = speculative_generate_step(
-        mx.array(tok.encode(PROMPT)),
-        model,
-        drafter,
-        num_draft_tokens=k,
-        max_tokens=max_tokens,
-        stats=stats,
-    )
+    session = Session(model, DecodeOptions(drafter, num_draft_tokens=k), stats=stats)
+    gen = session.generate(tok.encode(PROMPT), max_tokens=max_tokens)
     return [t for t, _, _ in gen], drafter.drafts, stats
 
 

@@ -199,7 +199,7 @@ def test_every_mtp_file_layout_is_downloaded(tmp_path, env, hub, repos):
     got = _python(
         """
         import json
-        from mlx_spec.hub import resolve_model
+        from mlx_spec.hub.resolve import resolve_model
         path = resolve_model("org/layouts")
         print(json.dumps(sorted(p.relative_to(path).as_posix()
                                 for p in path.rglob("*") if p.is_file())))
@@ -406,8 +406,8 @@ def test_mtp_from_a_repo_without_mtp_tensors_is_one_line(hub, env, repos, tmp_pa
 
 def test_fetched_tensors_are_checked_against_the_shard_header(tmp_path):
     """A header whose offsets do not fit a tensor's dtype and shape is refused."""
-    from mlx_spec.hub import HubError
-    from mlx_spec.mtp_ranges import parse_header
+    from mlx_spec.hub.resolve import HubError
+    from mlx_spec.hub.mtp_ranges import parse_header
 
     good = {"mtp.a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}
     _, tensors = parse_header("x", json.dumps(good).encode(), 200)
@@ -424,7 +424,7 @@ def test_the_mtp_byte_ranges_of_a_shard_make_a_file_of_those_tensors(tmp_path):
     as one range; those bytes behind the small header load as the tensors."""
     from safetensors.numpy import load_file, save_file
 
-    from mlx_spec.mtp_ranges import (
+    from mlx_spec.hub.mtp_ranges import (
         byte_runs,
         header_length,
         mtp_tensors,
@@ -471,7 +471,7 @@ def test_the_mtp_byte_ranges_of_a_shard_make_a_file_of_those_tensors(tmp_path):
 def test_the_config_names_an_mtp_file_only_inside_the_model(tmp_path, named, used):
     """``mlx_lm_extra_tensors.mtp_file`` is untrusted: absolute and ``..``
     paths are ignored (with a warning), never fetched or read."""
-    from mlx_spec.hub import config_mtp_file
+    from mlx_spec.hub.resolve import config_mtp_file
 
     config = {"model_type": "qwen3_5", "mlx_lm_extra_tensors": {"mtp_file": named}}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -526,7 +526,7 @@ def test_convert_hf_path_takes_a_repo_id(hub, env, repos, tmp_path):
 
 
 def test_the_server_names_a_downloaded_model_by_its_repo_id(tmp_path):
-    from mlx_spec.commands.model_files import model_name
+    from mlx_spec.model_files import model_name
 
     snapshot = tmp_path / "snapshots" / "0123abcd"
     snapshot.mkdir(parents=True)

@@ -359,9 +359,9 @@ def test_decoding_with_a_published_head_is_lossless(family, tmp_path, save_mlx_d
     tool's layout, gives mlx-lm's greedy tokens, with drafts accepted."""
     import mlx_lm
 
-    from mlx_spec.core.decode import speculative_generate_step
     from mlx_spec.core.stats import SpecStats
     from mlx_spec.drafters.mtp import MTPDrafter
+    from mlx_spec.session import DecodeOptions, Session
     from mlx_spec.testing.mtp_heads import write_predictive_checkpoint
 
     raw = write_predictive_checkpoint(tmp_path / "raw", family)
@@ -382,14 +382,9 @@ def test_decoding_with_a_published_head_is_lossless(family, tmp_path, save_mlx_d
     stats = SpecStats()
     got = [
         t
-        for t, _, _ in speculative_generate_step(
-            mx.array(tok.encode(PROMPT)),
-            model,
-            MTPDrafter(model.mtp_head),
-            num_draft_tokens=3,
-            max_tokens=24,
-            stats=stats,
-        )
+        for t, _, _ in Session(
+            model, DecodeOptions(MTPDrafter(model.mtp_head), 3), stats=stats
+        ).generate(tok.encode(PROMPT), max_tokens=24)
     ]
     assert got == want
     assert stats.accepted > 0

@@ -9,7 +9,7 @@ import pytest
 import mlx_spec
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.core.ragged_cache import RaggedKVCache
-from mlx_spec.core.snapshot import capture
+from mlx_spec.states.snapshot import capture
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.drafters import mtp_rows as mtp_module  # the head rows' chunking
 from mlx_spec.drafters.combined import MTPNgramDrafter

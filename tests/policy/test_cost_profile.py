@@ -160,10 +160,8 @@ def generate_on_a_busy_profile(models, monkeypatch, tmp_path, tuning, runs=2):
     plain pass far under the profile's 20), a drafter accepted 0.6 of the
     time; checks each output is the target's. Returns the stored short
     profile and each run's accepted drafts."""
-    import mlx.core as mx
-
     import mlx_spec.core.batch as engine
-    from mlx_spec.core.decode import speculative_generate_step
+    from mlx_spec.session import DecodeOptions, Session
     from mlx_spec.testing.reference import OracleDrafter, prompts, reference_tokens
 
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
@@ -179,16 +177,9 @@ def generate_on_a_busy_profile(models, monkeypatch, tmp_path, tuning, runs=2):
     sequence = prompt + reference_tokens(model, tok, prompt, 80)
     accepted = []
     for run in range(runs):
-        steps = list(
-            speculative_generate_step(
-                mx.array(prompt),
-                model,
-                OracleDrafter(sequence, error=0.4, seed=run),
-                num_draft_tokens="auto",
-                max_tokens=80,
-                tuning=tuning,
-            )
-        )
+        drafter = OracleDrafter(sequence, error=0.4, seed=run)
+        options = DecodeOptions(drafter, num_draft_tokens="auto", tuning=tuning)
+        steps = list(Session(model, options).generate(prompt, max_tokens=80))
         assert [t for t, _, _ in steps] == sequence[len(prompt) :]
         accepted.append(sum(a for _, _, a in steps))
     stored = json.loads(verify_profile.profile_cache_file().read_text())

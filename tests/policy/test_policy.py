@@ -366,10 +366,8 @@ def test_passes_are_timed_only_over_their_own_forward(models, monkeypatch):
     starts a run of queued passes waits for two target forwards, the one
     that ends it for none. The policy learns only from passes that waited for
     exactly one (a biased pass cost made the choice flip at every pass)."""
-    import mlx.core as mx
-
     from mlx_spec.core.batch import BatchDecoder
-    from mlx_spec.core.decode import speculative_generate_step
+    from mlx_spec.session import DecodeOptions, Session
     from mlx_spec.core.target import Target
 
     model, tok = models["qwen3_next"]
@@ -394,11 +392,9 @@ def test_passes_are_timed_only_over_their_own_forward(models, monkeypatch):
     monkeypatch.setattr(Target, "forward_rows", count_forward)
     monkeypatch.setattr(BatchDecoder, "verify", mark_verify)
     monkeypatch.setattr(DraftLengths, "observe", spy_observe)
-    steps = speculative_generate_step(
-        mx.array(prompt),
-        model,
-        OracleDrafter(sequence, error=1.0),  # never accepted: mostly k = 0
-        num_draft_tokens="auto",
+    never = OracleDrafter(sequence, error=1.0)  # never accepted: mostly k = 0
+    steps = Session(model, DecodeOptions(never, num_draft_tokens="auto")).generate(
+        prompt,
         verify_costs=[1e-3 * (1 + 0.5 * t) for t in range(9)],
         max_tokens=60,
     )

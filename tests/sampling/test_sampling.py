@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 import mlx_spec
-from mlx_spec.core.decode import speculative_generate_step
 from mlx_spec.core.sampling import (
     Sampler,
     Verification,
@@ -15,6 +14,7 @@ from mlx_spec.core.sampling import (
     verification_of,
 )
 from mlx_spec.drafters import make_drafter
+from mlx_spec.session import DecodeOptions, Session
 from mlx_spec.testing.distributions import (
     chi2_pvalue,
     discriminating_prompt,
@@ -126,15 +126,9 @@ def test_sampled_mtp_drafts_are_accepted_with_their_q(predictive_model):
     prompt = prompts("mixed")
     mx.random.seed(0)
     stats = mlx_spec.SpecStats()
-    steps = speculative_generate_step(
-        mx.array(prompt),
-        predictive_model,
-        make_drafter("mtp", predictive_model),
-        num_draft_tokens=3,
-        max_tokens=60,
-        sampler=sampler,
-        stats=stats,
-    )
+    options = DecodeOptions(make_drafter("mtp", predictive_model), 3)
+    session = Session(predictive_model, options, stats=stats)
+    steps = session.generate(prompt, max_tokens=60, sampler=sampler)
     list(steps)
     assert stats.accepted > 0.2 * stats.drafted
 
@@ -176,14 +170,8 @@ def test_mtp_ngram_samples_its_mtp_drafts(predictive_model):
         return out
 
     drafter.propose = propose
-    steps = speculative_generate_step(
-        mx.array(prompts("random", seed=5)),
-        predictive_model,
-        drafter,
-        num_draft_tokens=3,
-        max_tokens=30,
-        sampler=sampler,
-    )
+    session = Session(predictive_model, DecodeOptions(drafter, 3))
+    steps = session.generate(prompts("random", seed=5), max_tokens=30, sampler=sampler)
     list(steps)
     assert seen and all(q is not None for q in seen)
     assert any(mx.max(q).item() < 0.99 for q in seen)  # a distribution, not one-hot

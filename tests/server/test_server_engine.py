@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
-from mlx_spec.core.snapshot import DecoderState
+from mlx_spec.states.snapshot import DecoderState
 from mlx_spec.server.engine import Engine
 from mlx_spec.server.events import (
     GenerationParams,
@@ -18,7 +18,7 @@ from mlx_spec.server.events import (
     Token,
     ToolCall,
 )
-from mlx_spec.server.state_cache import StateCache
+from mlx_spec.states.memory import StateCache
 from mlx_spec.testing.reference import prompts, reference_tokens, tokens_of
 from mlx_spec.testing.server import job_events
 

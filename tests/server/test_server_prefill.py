@@ -9,7 +9,7 @@ from mlx_spec.server.events import GenerationParams, Job, Started
 from mlx_spec.server.anthropic import messages_request
 from mlx_spec.server.prefill import SHARED_MIN, Joining, PrefillQueue
 from mlx_spec.server.requests import ServerContext, chat_prompt, openai_request
-from mlx_spec.server.state_cache import StateCache
+from mlx_spec.states.memory import StateCache
 from mlx_spec.testing.reference import prompts, reference_tokens, tokens_of
 from mlx_spec.testing.server import job_events
 

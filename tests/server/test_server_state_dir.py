@@ -14,7 +14,7 @@ import pytest
 
 from mlx_spec.demo import default_model_path
 from mlx_spec.mlx_lm_compat import server_message_helpers
-from mlx_spec.state_store import STATE_NAME
+from mlx_spec.states.store import STATE_NAME
 from mlx_spec.testing.checkpoints import fine_tune_copy, write_tiny_checkpoint
 from mlx_spec.testing.http_client import get_health as health, post_json
 from mlx_spec.testing.server import free_port, mlx_spec_server, running_server

@@ -1,4 +1,4 @@
-"""The disk tier under the server's kept states (mlx_spec.state_store): a
+"""The disk tier under the server's kept states (mlx_spec.states.store): a
 conversation continued from disk exactly, files that must not be loaded
 skipped with one warning, two stores sharing a directory, the byte budget,
 a directory that refuses writes, and memory flat over many cycles."""
@@ -13,7 +13,7 @@ import pytest
 from mlx_spec.drafters import draft_names
 from mlx_spec.server.engine import Engine
 from mlx_spec.server.events import Started
-from mlx_spec.state_store import STALE_TEMP_S, Identity, StateStore
+from mlx_spec.states.store import STALE_TEMP_S, Identity, StateStore
 from mlx_spec.testing.reference import prompts, reference_tokens
 from mlx_spec.testing.state_files import (
     converse,

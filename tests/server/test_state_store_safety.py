@@ -18,11 +18,11 @@ import mlx.core as mx
 import pytest
 
 import mlx_spec
-from mlx_spec import state_store
+from mlx_spec.states import store as state_store
 from mlx_spec.server.engine import Engine
 from mlx_spec.server.events import Started
-from mlx_spec.state_file import plain_state, read_metadata, read_state, write_state
-from mlx_spec.state_store import STALE_TEMP_S, StateStore, check_state_dir
+from mlx_spec.states.file import plain_state, read_metadata, read_state, write_state
+from mlx_spec.states.store import STALE_TEMP_S, StateStore, check_state_dir
 from mlx_spec.testing.checkpoints import fine_tune_copy
 from mlx_spec.testing.reference import prompts, reference_tokens
 from mlx_spec.testing.state_files import converse, file_of, kept_state

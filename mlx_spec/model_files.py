@@ -1,28 +1,28 @@
-"""Opening the model a command names: a local directory or a repo id,
-checked first so a careless directory is one line naming the file or key,
-then loaded with its MTP head."""
+"""Opening a model named by a local directory or a repo id (what the
+commands and the doctor load): checked first, so that a careless directory
+is one line naming the file or key, then loaded with its MTP head."""
 
 import json
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from ..demo import default_model_path
-from ..hub import HubError, is_repo_id, resolve_model, resolve_mtp_path
-from ..loading import load
-from ..models.mtp import SIDECAR_NAME
-from ..models.mtp.discovery import MTP_SIDECAR_PATTERNS
-from .common import CommandError, bad_input, one_line
+from .demo import default_model_path
+from .hub.resolve import HubError, is_repo_id, resolve_model, resolve_mtp_path
+from .loading import load
+from .models.mtp import SIDECAR_NAME
+from .models.mtp.discovery import MTP_SIDECAR_PATTERNS
+from .errors import InputError, one_line, reported_as
 
 
 def check_safetensors(file: Path):
-    """Raise :class:`CommandError` naming ``file`` unless it is a whole
+    """Raise :class:`InputError` naming ``file`` unless it is a whole
     safetensors file (reads only its header)."""
     try:
         with safe_open(str(file), framework="numpy"):
             pass
     except (OSError, SafetensorError) as e:
-        raise CommandError(
+        raise InputError(
             f"{file} is not a complete safetensors file ({one_line(e)})"
         ) from None
 
@@ -60,7 +60,7 @@ SIZE_FIELDS = (
 
 
 def check_config_sizes(config: dict, file: Path):
-    """Raise :class:`CommandError` naming ``file`` and the key for a size
+    """Raise :class:`InputError` naming ``file`` and the key for a size
     field (top level or ``text_config``) that is not a non-negative integer."""
     sections = [("", config)]
     if isinstance(config.get("text_config"), dict):
@@ -71,7 +71,7 @@ def check_config_sizes(config: dict, file: Path):
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise CommandError(
+                raise InputError(
                     f"{file}: {where}{key}={value!r} is not a non-negative integer"
                 )
 
@@ -85,12 +85,12 @@ def check_model_files(path: Path, mtp_path=None):
         if not isinstance(values, dict):
             raise ValueError("not a JSON object")
     except FileNotFoundError:
-        raise CommandError(f"{path} has no config.json") from None
+        raise InputError(f"{path} has no config.json") from None
     except (OSError, ValueError) as e:
-        raise CommandError(f"{config} is not a valid config: {one_line(e)}") from None
+        raise InputError(f"{config} is not a valid config: {one_line(e)}") from None
     check_config_sizes(values, config)
     if not any(any(path.glob(p)) for p in TOKENIZER_FILES):
-        raise CommandError(
+        raise InputError(
             f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
         )
     # MTP sidecars are checked when the head is attached: a broken one only
@@ -111,24 +111,24 @@ def check_model_files(path: Path, mtp_path=None):
 def load_model(path=None, mtp_path=None, revision=None, **kwargs):
     """``(path, model, tokenizer)``: ``path`` (a directory or a Hugging Face
     repo id at ``revision``; default: the bundled demo model) loaded by
-    :func:`mlx_spec.load`; any failure is a :class:`CommandError`."""
+    :func:`mlx_spec.load`; any failure is an :class:`~mlx_spec.errors.InputError`."""
     name = str(path) if path else None  # as given: Path() drops a leading ./
-    with bad_input(FileNotFoundError):
+    with reported_as(InputError, FileNotFoundError):
         path = Path(path) if path else default_model_path()
     if name and not path.exists() and is_repo_id(name):
-        with bad_input(HubError):
+        with reported_as(InputError, HubError):
             path = resolve_model(name, revision)
     if not path.is_dir():
         state = "is not a directory" if path.exists() else "does not exist"
-        raise CommandError(f"model directory {str(path)!r} {state}")
+        raise InputError(f"model directory {str(path)!r} {state}")
     if mtp_path is not None:
-        with bad_input(HubError, FileNotFoundError):
+        with reported_as(InputError, HubError, FileNotFoundError):
             mtp_path = resolve_mtp_path(mtp_path)
     check_model_files(path, mtp_path)
     try:
         model, tokenizer = load(path, mtp_path=mtp_path, **kwargs)
     except Exception as e:  # whatever the files hold, one line naming them
-        raise CommandError(f"cannot load the model in {path}: {one_line(e)}") from None
+        raise InputError(f"cannot load the model in {path}: {one_line(e)}") from None
     return path, model, tokenizer
 
 

@@ -13,7 +13,7 @@ drafts with the head. The drafter contributes its own arrays
 """
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..drafters import contract, make_drafter
 from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
 from ..models.mtp.head import text_args
-from .state import GDNSlotCache
+from ..core.state import GDNSlotCache
 
 
 @dataclass
@@ -212,17 +212,30 @@ def check_loadable(model, state: DecoderState):
     check_fits(model, make_drafter(state.drafter, model), state)
 
 
+def shared(state: DecoderState) -> DecoderState:
+    """``state`` with its own copies of the attention caches (their arrays
+    shared until written): a decoder that restores it and goes on leaves
+    ``state`` as it was (a state the server keeps serves every request that
+    continues it). Recurrent caches are restored as new lists of their
+    arrays, which are replaced, never written: they are kept as they are."""
+    caches = [c if isinstance(c, ArraysCache) else copy_cache(c) for c in state.caches]
+    return replace(state, caches=caches)
+
+
 def restore(decoder, state: DecoderState, copy_caches: bool = False):
     """Put ``state`` into ``decoder``, a fresh decoder of the same model and
     drafter kind; ``ValueError`` when they do not fit (``decoder`` then
-    unchanged). ``copy_caches``: keep ``state`` usable afterwards."""
+    unchanged). ``copy_caches``: keep ``state`` usable afterwards (restore
+    :func:`shared` of it)."""
+    if copy_caches:
+        state = shared(state)
     check_fits(decoder.model, decoder.drafter, state)
     target = decoder.cache.caches
     for i, c in enumerate(state.caches):
         if isinstance(target[i], GDNSlotCache):
             target[i].cache = list(c.cache)  # arrays are replaced, never written
         else:
-            target[i] = copy_cache(c) if copy_caches else c
+            target[i] = c
     decoder.history = list(state.history)
     decoder.processed = len(decoder.history) - state.pending
     decoder.last_hidden = state.last_hidden

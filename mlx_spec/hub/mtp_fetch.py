@@ -26,7 +26,7 @@ hub) starts the shard again. One process at a time works on a shard (a file
 lock beside it).
 
 Which bytes are the MTP tensors, and the checks of a shard's header, are
-:mod:`mlx_spec.mtp_ranges`; this module moves the bytes.
+:mod:`mlx_spec.hub.mtp_ranges`; this module moves the bytes.
 """
 
 import json
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from .hub import HubError, hub_errors
-from .models.mtp.layouts import MTP_PREFIXES
+from .resolve import HubError, hub_errors
+from ..models.mtp.layouts import MTP_PREFIXES
 from .mtp_ranges import (
     INDEX_NAME,
     SINGLE_SHARD,

@@ -2,7 +2,7 @@
 so that a conversation continues without prefilling it again after its state
 left memory, after a restart, or in another server process.
 
-A directory of its own holding state files (:mod:`mlx_spec.state_file`),
+A directory of its own holding state files (:mod:`mlx_spec.states.file`),
 one per state, named by a hash of the model's identity, the drafter and the
 tokens it holds (40 hex digits, ``.safetensors``). Each file's metadata says
 what it is: the format version, the model (the identity of every byte of its
@@ -44,10 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .core.snapshot import DecoderState, check_loadable
-from .models.fingerprint import tokenizer_fingerprint
-from .models.identity import head_fingerprint, model_fingerprint
-from .state_file import (
+from .snapshot import DecoderState, check_loadable
+from ..models.fingerprint import tokenizer_fingerprint
+from ..models.identity import head_fingerprint, model_fingerprint
+from .file import (
     plain_state,
     read_metadata,
     read_state,

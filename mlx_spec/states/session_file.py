@@ -1,6 +1,6 @@
 """Saving and loading a whole speculative session (``--prompt-cache-file``).
 
-The file is a state file (:mod:`mlx_spec.state_file`: an mlx-lm prompt-cache
+The file is a state file (:mod:`mlx_spec.states.file`: an mlx-lm prompt-cache
 file with the token history and the drafter's state after the target's
 caches). Before saving, the pending token is processed, so its first
 ``n_target`` entries are exactly the prompt cache plain decoding of the
@@ -14,9 +14,9 @@ fine-tune passed for its base: they are refused, with a message saying so.
 
 from pathlib import Path
 
-from ..core.snapshot import capture, drafter_name, restore
+from .snapshot import capture, drafter_name
 from ..models.identity import model_fingerprint
-from ..state_file import (
+from .file import (
     check_writable,
     plain_state,
     read_metadata,
@@ -30,9 +30,11 @@ EARLIER_FORMATS = ("mlx_spec.session.v1",)
 __all__ = ["FORMAT", "check_writable", "load_session", "save_session"]
 
 
-def save_session(path, decoder, model_name: str = ""):
-    """Write ``decoder``'s whole state to exactly ``path`` (safetensors, whatever
-    its suffix), atomically: a file beside it, renamed onto it when complete."""
+def save_session(path, session, model_name: str = ""):
+    """Write the whole state of ``session`` (a :class:`mlx_spec.Session`) to
+    exactly ``path`` (safetensors, whatever its suffix), atomically: a file
+    beside it, renamed onto it when complete."""
+    decoder = session.decoder
     meta = {
         "format": FORMAT,
         "model": model_fingerprint(decoder.model),
@@ -41,8 +43,8 @@ def save_session(path, decoder, model_name: str = ""):
     write_state(path, plain_state(capture(decoder)), meta)
 
 
-def load_session(path, decoder, model_name: str = ""):
-    """Restore a session saved by :func:`save_session` into a fresh ``decoder``.
+def load_session(path, session, model_name: str = ""):
+    """Restore a session saved by :func:`save_session` into a fresh ``session``.
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming
     the file for one that is unreadable or made for another model or drafter.
@@ -52,31 +54,36 @@ def load_session(path, decoder, model_name: str = ""):
         raise FileNotFoundError(f"prompt cache file {str(path)!r} does not exist")
     real = path.resolve()  # a link the user made is followed, once, here
     try:
-        earlier = read_metadata(real).get("format") in EARLIER_FORMATS
+        header = read_metadata(real)
     except ValueError as e:
         raise ValueError(
             f"{str(path)!r} is not a readable prompt cache file ({e})"
         ) from None
-    if earlier:
+    if header.get("format") in EARLIER_FORMATS:
         raise ValueError(
             f"{str(path)!r} was saved by an earlier mlx_spec, whose session files "
             "cannot tell which weights they were made with; start a new session"
         )
-    state, meta = read_state(real)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{str(path)!r} is not an mlx_spec session file")
-    if meta.get("model") != model_fingerprint(decoder.model):
+    decoder = session.decoder
+    # Another model's file is refused from its header, before any array is
+    # read: a command that stops right after reading one could abort (MLX's
+    # reading thread lets go of the file after the interpreter has stopped).
+    fingerprint = model_fingerprint(decoder.model)
+    if header.get("format") == FORMAT and header.get("model") != fingerprint:
         raise ValueError(
             f"{str(path)!r} was saved for another model or other weights "
-            f"({meta.get('model_name') or meta.get('model')}), "
+            f"({header.get('model_name') or header.get('model')}), "
             f"not {model_name or 'this one'}"
         )
+    state, meta = read_state(real)  # its checksum covers the header too
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{str(path)!r} is not an mlx_spec session file")
     name = drafter_name(decoder.drafter)
     if state.drafter != name:
         raise ValueError(
             f"{str(path)!r} was saved with draft {state.drafter!r}, not {name!r}"
         )
     try:
-        restore(decoder, state)
+        session.restore(state)
     except ValueError as e:
         raise ValueError(f"{str(path)!r} does not fit the model: {e}") from None

@@ -1,5 +1,5 @@
 """Where a checkpoint's MTP tensors are, in bytes: the format side of
-``convert --mtp-from`` (the downloads are :mod:`mlx_spec.mtp_fetch`).
+``convert --mtp-from`` (the downloads are :mod:`mlx_spec.hub.mtp_fetch`).
 
 A safetensors file is 8 bytes of little-endian header length ``N``, ``N``
 bytes of JSON (tensor name -> dtype, shape, ``data_offsets`` relative to byte
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Tuple
 
-from .hub import HubError
-from .models.mtp.layouts import MTP_PREFIXES
+from .resolve import HubError
+from ..models.mtp.layouts import MTP_PREFIXES
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_SHARD = "model.safetensors"

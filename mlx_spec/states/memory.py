@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from ..core.snapshot import DecoderState
+from .snapshot import DecoderState
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

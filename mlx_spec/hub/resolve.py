@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Iterator, Optional, Union
 
-from . import mlx_lm_compat
+from .. import mlx_lm_compat
 
 MTP_FILE_PATTERNS = (
     "mtp.safetensors",

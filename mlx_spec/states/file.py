@@ -1,6 +1,6 @@
-"""A decoder's whole state (:class:`~mlx_spec.core.snapshot.DecoderState`) as
+"""A decoder's whole state (:class:`~mlx_spec.states.snapshot.DecoderState`) as
 one safetensors file: a chat session (``--prompt-cache-file``) and the
-server's states kept on disk (:mod:`mlx_spec.state_store`) both use it.
+server's states kept on disk (:mod:`mlx_spec.states.store`) both use it.
 
 The layout is mlx-lm's prompt-cache file (``mlx_lm.models.cache.
 save_prompt_cache``): the first ``n_target`` entries are the target's layer
@@ -34,9 +34,9 @@ from typing import BinaryIO, Dict, Iterator, List, Tuple
 import mlx.core as mx
 from mlx.utils import tree_unflatten
 
-from .core.snapshot import DecoderState
-from .core.state import GDNSlotCache
-from .mlx_lm_compat import ArraysCache, KVCache, save_prompt_cache
+from .snapshot import DecoderState
+from ..core.state import GDNSlotCache
+from ..mlx_lm_compat import ArraysCache, KVCache, save_prompt_cache
 
 MAX_HEADER = 16 << 20  # bytes: a longer safetensors header is not ours
 MAX_DEFERRED = 1 << 20  # deferred passes a file may say it holds
