@@ -63,6 +63,17 @@ def models(checkpoint_dirs, plain_models):
     return loaded
 
 
+@pytest.fixture
+def no_eos(models):
+    """Every tokenizer runs its full lengths (no EOS) in the test."""
+    saved = {f: tok.eos_token_ids for f, (_, tok) in models.items()}
+    for _, tok in models.values():
+        tok.eos_token_ids = set()
+    yield
+    for f, (_, tok) in models.items():
+        tok.eos_token_ids = saved[f]
+
+
 @pytest.fixture(scope="session")
 def plain_models(checkpoint_dirs):
     """family -> (model, tokenizer) loaded by mlx-lm alone: the references

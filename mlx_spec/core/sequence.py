@@ -146,7 +146,8 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.accept(tokens, None if hidden is None else hidden[:j])
         self.history += tokens
-        self.processed = len(self.history) - (kept == j)
+        # its last token stays pending unless the pass processed it too
+        self.processed = len(self.history) - (1 if kept == j else 0)
         if kept > j and hidden is not None:
             self.last_hidden = hidden[kept - 1 : kept]
 

@@ -35,7 +35,8 @@ class SpecStats:
             self.accepted_at += [0] * grow
         for i in range(n_drafted):
             self.drafted_at[i] += 1
-            self.accepted_at[i] += i < n_accepted
+        for i in range(min(n_accepted, n_drafted)):
+            self.accepted_at[i] += 1
 
     @property
     def acceptance_rate(self) -> float:

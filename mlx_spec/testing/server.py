@@ -196,3 +196,60 @@ def request_context(tokenizer, model_id: str, max_tokens: int = 16, **extra):
         vocab_size=512,
         **extra,
     )
+
+
+@contextlib.contextmanager
+def gated_engine(model_dir) -> Iterator["GatedEngine"]:
+    """A :class:`GatedEngine` over the model in ``model_dir`` (its default
+    drafter, 3 drafts a pass), always released and closed."""
+    from ..drafters import default_draft
+    from ..loading import load
+
+    model, tokenizer = load(model_dir)
+    engine = GatedEngine(model, tokenizer, default_draft(model), 3)
+    try:
+        yield engine
+    finally:
+        engine.gate.set()
+        engine.close()
+
+
+WAIT_STEPS = 2400  # cap of every polling loop (iterations of 0.05 s)
+
+
+def wait_until(condition, what: str):
+    """Poll ``condition`` until it holds (bounded: an error naming ``what``)."""
+    for _ in range(WAIT_STEPS):
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+def leaves_after_disconnect(
+    engine: "GatedEngine", port: int, request: bytes, stream: bool
+) -> int:
+    """Send ``request`` (whole HTTP bytes) to the server on ``port`` over
+    ``engine``, let its row decode, hold the engine before a pass, hang up,
+    and wait for the job to be cancelled and its row to leave the batch:
+    the passes its row took part in after the client left."""
+    jobs = len(engine.jobs)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    try:
+        sock.sendall(request)
+        wait_until(lambda: len(engine.jobs) > jobs, "the job is submitted")
+        job = engine.jobs[-1]
+        wait_until(lambda: engine.passes[id(job)] >= 3, "the row decodes")
+        if stream:
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        engine.gate.clear()
+        wait_until(engine.held.is_set, "the engine waits before a pass")
+        before = engine.passes[id(job)]
+    finally:
+        sock.close()
+    try:
+        wait_until(lambda: job.cancelled, "the server notices the disconnect")
+    finally:
+        engine.gate.set()
+    wait_until(lambda: not engine.decoding(job), "the row leaves the batch")
+    return engine.passes[id(job)] - before

@@ -16,26 +16,27 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 
 import openai
 import pytest
 
 import mlx_spec
 from mlx_spec.commands import server as server_command
-from mlx_spec.drafters import default_draft
 from mlx_spec.server.events import Finished, GenerationParams, Started, Token
+from mlx_spec.server.engine import Engine
 from mlx_spec.server.http import make_app
 from mlx_spec.server.openai import OpenAIResponse
-from mlx_spec.server.requests import ServerContext
 from mlx_spec.server.wire import json_bytes
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
 from mlx_spec.testing.server import (
-    GatedEngine,
     free_port,
+    gated_engine,
+    leaves_after_disconnect,
     mlx_spec_server,
+    request_context,
     running_server,
     serving,
+    wait_until,
 )
 
 MODEL_ID = "tiny"
@@ -44,23 +45,10 @@ CHAT = [{"role": "user", "content": "write a loop over range(10)"}]
 LIMIT = 4096  # the body limit of the in-process servers
 KEY = "sekrit-key"
 UI = "http://ui.example:3000"
-WAIT = 2400  # cap of every polling loop (iterations of 0.05 s)
 
 
 def _context(tokenizer, model):
-    return ServerContext(
-        tokenizer,
-        model_id=MODEL_ID,
-        defaults={
-            "temperature": 0.0,
-            "top_p": 1.0,
-            "top_k": 0,
-            "min_p": 0.0,
-            "max_tokens": 16,
-        },
-        context_length=4096,
-        vocab_size=512,
-    )
+    return request_context(tokenizer, MODEL_ID)
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +60,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    model, tokenizer = mlx_spec.load(tiny)
-    engine = GatedEngine(model, tokenizer, default_draft(model), 3)
-    yield engine
-    engine.gate.set()
-    engine.close()
+    with gated_engine(tiny) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -257,14 +242,6 @@ def test_bodies_past_the_limit_are_413(ports):
 # -- disconnects -----------------------------------------------------------
 
 
-def _wait(condition, what):
-    for _ in range(WAIT):
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting until {what}")
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_disconnect_ends_the_row_within_one_pass(ports, engine, stream):
     """The client leaves while the engine is held before a pass: the server
@@ -279,26 +256,7 @@ def test_a_disconnect_ends_the_row_within_one_pass(ports, engine, stream):
             f"Content-Length: {len(json.dumps({**body, 'stream': stream}))}",
         ],
     )
-    jobs = len(engine.jobs)
-    sock = socket.create_connection(("127.0.0.1", ports["plain"]), timeout=60)
-    try:
-        sock.sendall(data)
-        _wait(lambda: len(engine.jobs) > jobs, "the job is submitted")
-        job = engine.jobs[-1]
-        _wait(lambda: engine.passes[id(job)] >= 3, "the row decodes")
-        if stream:
-            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
-        engine.gate.clear()
-        _wait(engine.held.is_set, "the engine waits before a pass")
-        before = engine.passes[id(job)]
-    finally:
-        sock.close()
-    try:
-        _wait(lambda: job.cancelled, "the server notices the disconnect")
-    finally:
-        engine.gate.set()
-    _wait(lambda: not engine.decoding(job), "the row leaves the batch")
-    assert engine.passes[id(job)] - before <= 1
+    assert leaves_after_disconnect(engine, ports["plain"], data, stream) <= 1
     assert completion(ports["plain"])["usage"]["completion_tokens"] == 4
 
 
@@ -488,7 +446,7 @@ def test_errors_name_the_model_id_not_its_path(tmp_path):
         tmp_path / "nomtp", "qwen3_next", mtp_num_hidden_layers=0
     )
     model, tokenizer = mlx_spec.load(path)
-    engine = GatedEngine(model, tokenizer, "ngram", 3)
+    engine = Engine(model, tokenizer, "ngram", 3)
     try:
         ctx = _context(tokenizer, model)
         app = make_app(engine, ctx, hidden=(str(path),))
@@ -587,7 +545,7 @@ def test_a_signal_ends_open_requests_at_once(tiny, sig):
             )
         )
         asker.start()
-        _wait(lambda: _decoding(port) == 3, "three requests decode")
+        wait_until(lambda: _decoding(port) == 3, "three requests decode")
         proc.send_signal(sig)
         oa_text, an_text = _rest(*oa), _rest(*an)
         oa[0].close(), an[0].close()

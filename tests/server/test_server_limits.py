@@ -22,14 +22,12 @@ import pytest
 import mlx_spec
 from mlx_spec.commands import server as server_command
 from mlx_spec.core.batch_row import BatchRow
-from mlx_spec.drafters import default_draft
 from mlx_spec.server.anthropic import MessageResponse
 from mlx_spec.server import bridge
 from mlx_spec.server.engine import Engine
 from mlx_spec.server.events import Finished, GenerationParams, Job
 from mlx_spec.server.http import make_app
 from mlx_spec.server.limits import ClientLimits
-from mlx_spec.server.requests import ServerContext
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
 from mlx_spec.testing.http_client import (
     get_health,
@@ -39,8 +37,8 @@ from mlx_spec.testing.http_client import (
     post_stream,
     read_until_closed,
 )
-from mlx_spec.testing.server import GatedEngine, job_events, served_checkpoint
-from mlx_spec.testing.server import serving
+from mlx_spec.testing.server import gated_engine, job_events, request_context
+from mlx_spec.testing.server import served_checkpoint, serving
 
 MODEL_ID = "tiny"
 CONTEXT = 128  # the small-context checkpoint's max_position_embeddings
@@ -110,28 +108,12 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    model, tokenizer = mlx_spec.load(tiny)
-    engine = GatedEngine(model, tokenizer, default_draft(model), 3)
-    yield engine
-    engine.gate.set()
-    engine.close()
+    with gated_engine(tiny) as engine:
+        yield engine
 
 
 def _context(engine, **extra):
-    return ServerContext(
-        engine.tokenizer,
-        model_id=MODEL_ID,
-        defaults={
-            "temperature": 0.0,
-            "top_p": 1.0,
-            "top_k": 0,
-            "min_p": 0.0,
-            "max_tokens": 8,
-        },
-        context_length=4096,
-        vocab_size=512,
-        **extra,
-    )
+    return request_context(engine.tokenizer, MODEL_ID, max_tokens=8, **extra)
 
 
 @pytest.fixture(scope="module")

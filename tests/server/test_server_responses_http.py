@@ -9,27 +9,24 @@ import json
 import re
 import signal
 import socket
-import time
 
 import openai
 import pytest
 
-import mlx_spec
-from mlx_spec.drafters import default_draft
 from mlx_spec.server.http import make_app
-from mlx_spec.server.requests import ServerContext
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
 from mlx_spec.testing.server import (
-    GatedEngine,
     free_port,
+    gated_engine,
+    leaves_after_disconnect,
     mlx_spec_server,
+    request_context,
     running_server,
     serving,
 )
 
 MODEL_ID = "tiny"
 KEY = "sekrit-key"
-WAIT = 2400  # cap of every polling loop (iterations of 0.05 s)
 LONG = {"input": "import os", "max_output_tokens": 3000, "draft": "none"}  # no EOS
 
 
@@ -40,19 +37,13 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    model, tokenizer = mlx_spec.load(tiny)
-    engine = GatedEngine(model, tokenizer, default_draft(model), 3)
-    yield engine
-    engine.gate.set()
-    engine.close()
+    with gated_engine(tiny) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def ports(engine):
-    defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
-    ctx = ServerContext(
-        engine.tokenizer, MODEL_ID, {**defaults, "max_tokens": 8}, 4096, 512
-    )
+    ctx = request_context(engine.tokenizer, MODEL_ID, max_tokens=8)
     plain, secured = make_app(engine, ctx), make_app(engine, ctx, api_key=KEY)
     with serving(plain) as a, serving(secured) as b:
         yield {"plain": a, "secured": b}
@@ -71,14 +62,6 @@ def post(port, body, headers=None):
         return r.status, json.loads(r.read())
     finally:
         conn.close()
-
-
-def _wait(condition, what):
-    for _ in range(WAIT):
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting until {what}")
 
 
 def test_the_api_key_host_and_origin_rules_hold(ports):
@@ -114,26 +97,8 @@ def test_a_disconnect_cancels_the_response_within_one_pass(ports, engine, stream
         "POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     )
-    jobs = len(engine.jobs)
-    sock = socket.create_connection(("127.0.0.1", ports["plain"]), timeout=60)
-    try:
-        sock.sendall(head.encode() + body)
-        _wait(lambda: len(engine.jobs) > jobs, "the job is submitted")
-        job = engine.jobs[-1]
-        _wait(lambda: engine.passes[id(job)] >= 3, "the row decodes")
-        if stream:
-            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
-        engine.gate.clear()
-        _wait(engine.held.is_set, "the engine waits before a pass")
-        before = engine.passes[id(job)]
-    finally:
-        sock.close()
-    try:
-        _wait(lambda: job.cancelled, "the server notices the disconnect")
-    finally:
-        engine.gate.set()
-    _wait(lambda: not engine.decoding(job), "the row leaves the batch")
-    assert engine.passes[id(job)] <= before + 1
+    request = head.encode() + body
+    assert leaves_after_disconnect(engine, ports["plain"], request, stream) <= 1
 
 
 @pytest.mark.slow

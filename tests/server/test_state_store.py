@@ -27,17 +27,6 @@ from mlx_spec.testing.state_files import (
 BIG = 1 << 30
 
 
-@pytest.fixture
-def no_eos(models):
-    """Every tokenizer runs its full lengths (no EOS) in the test."""
-    saved = {f: tok.eos_token_ids for f, (_, tok) in models.items()}
-    for _, tok in models.values():
-        tok.eos_token_ids = set()
-    yield
-    for f, (_, tok) in models.items():
-        tok.eos_token_ids = saved[f]
-
-
 def make_engine(models, family, draft, directory, max_bytes=BIG, **kwargs):
     model, tok = models[family]
     store = StateStore.for_model(directory, max_bytes, model, tok, family)

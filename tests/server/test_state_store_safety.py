@@ -30,16 +30,6 @@ from mlx_spec.testing.state_files import converse, file_of, kept_state
 BIG = 1 << 30
 
 
-@pytest.fixture
-def no_eos(models):
-    saved = {f: tok.eos_token_ids for f, (_, tok) in models.items()}
-    for _, tok in models.values():
-        tok.eos_token_ids = set()
-    yield
-    for f, (_, tok) in models.items():
-        tok.eos_token_ids = saved[f]
-
-
 def snapshot(directory):
     """Every entry of ``directory``: a file's bytes' digest, a link's target,
     or its kind."""
