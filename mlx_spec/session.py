@@ -22,7 +22,8 @@ from typing import Any, Callable, Collection, Iterator, List, Optional, Tuple, U
 
 import mlx.core as mx
 
-from .core.decode import decode_steps
+from .core.batch import RowOptions
+from .core.decode import LoopOptions, decode_steps
 from .core.policy import most_drafts
 from .core.policy_tuning import DEFAULT_TUNING, PolicyTuning
 from .core.sampling import make_draft_sampler, make_sampler, verification_of
@@ -240,18 +241,16 @@ class Session:
             else [int(t) for t in prompt]
         )
         self.set_sampling(sampler, logits_processors, tokens)
-        yield from decode_steps(
-            self.decoder,
-            tokens,
-            num_draft_tokens=self.options.num_draft_tokens,
-            verify_costs=verify_costs,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            logits_processors=logits_processors,
-            prompt_progress_callback=prompt_progress_callback,
-            stop_tokens=stop_tokens,
-            should_stop=should_stop,
-            flush=flush,
-            timing=timing,
-            tuning=self.options.tuning,
+        row = RowOptions(
+            max_tokens,
+            sampler,
+            self.options.num_draft_tokens,
+            verify_costs,
+            stop_tokens,
+            logits_processors,
+            seen=tokens,  # processors see this call's tokens, as mlx-lm's do
         )
+        loop = LoopOptions(
+            should_stop, prompt_progress_callback, flush, timing, self.options.tuning
+        )
+        yield from decode_steps(self.decoder, tokens, row, loop)

@@ -7,7 +7,8 @@ read. The decoder comes opened (:class:`mlx_spec.Session` builds it, and
 tells its drafter how drafts will be sampled before the prompt is fed).
 """
 
-from typing import Callable, Collection, Generator, List, Optional, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Callable, Generator, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -16,54 +17,50 @@ from .policy_tuning import DEFAULT_TUNING, PolicyTuning
 from .sequence import SpeculativeDecoder
 from .stats import PhaseClock
 
-__all__ = ["SpeculativeDecoder", "decode_steps"]
+__all__ = ["LoopOptions", "SpeculativeDecoder", "decode_steps"]
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How the loop of one sequence runs, beside what its row decodes:
+    ``should_stop`` is asked after every pass (true: the loop ends after
+    that pass); ``progress(n, total)`` hears the prompt's prefill; ``flush``
+    processes the last token at the end, as mlx-lm does (the caches then
+    hold every token); ``timing`` fills ``decoder.stats.phases`` (at the
+    cost of extra syncs); ``tuning``: the constants of ``auto``."""
+
+    should_stop: Callable[[], bool] = field(default=lambda: False)
+    progress: Optional[Callable[[int, int], None]] = None
+    flush: bool = False
+    timing: bool = False
+    tuning: PolicyTuning = DEFAULT_TUNING
 
 
 def decode_steps(
     decoder: SpeculativeDecoder,
     tokens: List[int],
-    *,
-    num_draft_tokens: Union[int, str] = 3,
-    verify_costs: Optional[List[float]] = None,
-    max_tokens: int = 256,
-    sampler: Optional[Callable[[mx.array], mx.array]] = None,
-    logits_processors: Optional[List[Callable]] = None,
-    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
-    stop_tokens: Collection[int] = (),
-    should_stop: Callable[[], bool] = lambda: False,
-    flush: bool = False,
-    timing: bool = False,
-    tuning: PolicyTuning = DEFAULT_TUNING,
+    row: RowOptions,
+    loop: LoopOptions = LoopOptions(),
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Feed ``tokens`` ([N] ids: a prompt, or a later turn's) to ``decoder``
-    and yield ``(token, logprobs [V], from_draft)`` like mlx-lm's ``generate_step``.
+    and yield ``(token, logprobs [V], from_draft)`` like mlx-lm's
+    ``generate_step``, the row decoding as ``row`` says.
 
-    Each iteration drafts up to ``num_draft_tokens`` tokens (``"auto"``:
-    chosen per pass by :mod:`.draft_lengths` from ``verify_costs``, else
-    the measured profiles), verifies ``[last, *draft]`` in one target pass,
-    yields the longest prefix the target agrees with plus the target's own
-    next token, and rolls every cache back to what was yielded (also when
-    the caller stops early). Generation stops after a ``stop_tokens`` token
-    or ``max_tokens`` tokens, or after the pass during which ``should_stop()``
-    became true. ``flush`` processes the last token at the end, as mlx-lm
-    does (the caches then hold every token); ``timing`` fills
-    ``decoder.stats.phases`` (at the cost of extra syncs); ``tuning``: the
-    constants of ``auto`` (an experiment's variant).
+    Each iteration drafts (``row.num_draft_tokens``: a number, or ``"auto"``,
+    chosen per pass by :mod:`.draft_lengths`), verifies ``[last, *draft]`` in
+    one target pass, yields the longest prefix the target agrees with plus
+    the target's own next token, and rolls every cache back to what was
+    yielded (also when the caller stops early). Generation stops after a
+    ``row.stop_tokens`` token or ``row.max_tokens`` tokens, or after the pass
+    during which ``loop.should_stop()`` became true.
     """
+    tuning, flush, timing = loop.tuning, loop.flush, loop.timing
+    should_stop = loop.should_stop
     engine = BatchDecoder.alone(decoder, tuning)
-    progress = prompt_progress_callback or (lambda *_: None)
+    progress = loop.progress or (lambda *_: None)
     progress(0, len(tokens))
     decoder.feed(tokens, lambda n: progress(n, len(tokens)))
-    options = RowOptions(
-        max_tokens,
-        sampler,
-        num_draft_tokens,
-        verify_costs,
-        stop_tokens,
-        logits_processors,
-        seen=tokens,  # processors see this call's tokens, as mlx-lm's do
-    )
-    row = engine.add(decoder, options)
+    seq = engine.add(decoder, row)
     engine.clock = PhaseClock(decoder.stats, timing)  # the passes, not the prefill
     try:  # a caller that stops early closes us at a yield: GeneratorExit
         first, done = True, False
@@ -73,33 +70,33 @@ def decode_steps(
             # timing syncs each phase (a pipeline never queues: its ranks
             # agree on every pass).
             out = engine.verify(queue_ahead=not timing)
-            if row not in out:
-                raise engine.error(row)
-            emitted, logprobs = out[row]
-            n = engine.accepted(row)
+            if seq not in out:
+                raise engine.error(seq)
+            emitted, logprobs = out[seq]
+            n = engine.accepted(seq)
             if first:
                 progress(len(tokens), len(tokens))
                 first = False
             if should_stop():
-                engine.finish(row)
-            done = row not in engine.active
+                engine.finish(seq)
+            done = seq not in engine.active
             read = 0
             try:
                 for i, token in enumerate(emitted):
                     read = i + 1
                     yield token, logprobs[i], i < n
             finally:  # also when the caller stops early: keep what it read
-                engine.commit({row: read})
+                engine.commit({seq: read})
     except GeneratorExit:
-        _leave(engine, row, flush)
+        _leave(engine, seq, flush)
         raise
-    _leave(engine, row, flush)
+    _leave(engine, seq, flush)
 
 
-def _leave(engine: BatchDecoder, row: int, flush: bool):
+def _leave(engine: BatchDecoder, seq: int, flush: bool):
     """The sequence out of its batch of one, its caches holding its history
     (``flush``: the last token too, as mlx-lm leaves them)."""
     engine.settle()
-    decoder = engine.take(row)
+    decoder = engine.take(seq)
     if flush:
         decoder.flush()
