@@ -173,7 +173,7 @@ def pass_ms(model, prompt, shape: List[int], mode: str, repeats: int) -> float:
             logits, _ = batch.target.forward_rows(inputs, batch.positions)
         mx.eval(logits)
         times.append(time.perf_counter() - tic)
-        batch._commit_caches([0] * len(shape), T)  # every row as before
+        batch.row_caches.commit([0] * len(shape), T)  # every row as before
     return statistics.median(times) * 1e3
 
 

@@ -49,11 +49,11 @@ class _TimedEngine(Engine):
 
     def _new_batch(self):
         batch = super()._new_batch()
-        step, pass_inputs, length = batch.step, batch._pass_inputs, [1]
+        step, forward, length = batch.step, batch.forward, [1]
 
-        def noting_length(*args):
-            length[0] = args[-1]  # T, the pass's length, comes last
-            return pass_inputs(*args)
+        def noting_length(plan):
+            length[0] = plan.T  # a queued plain pass runs no forward here: T = 1
+            return forward(plan)
 
         def timed_step(queue_ahead: bool = True):
             length[0], tic = 1, time.perf_counter()
@@ -63,7 +63,7 @@ class _TimedEngine(Engine):
             self.pass_log.append((len(batch.rows), length[0], tokens, seconds))
             return out
 
-        batch.step, batch._pass_inputs = timed_step, noting_length
+        batch.step, batch.forward = timed_step, noting_length
         return batch
 
 
