@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..drafters.contract import DraftSite, HeadBased, Proposal
+from ..drafters.contract import DraftSite, HeadBased, Proposal, implements
 from ..drafters.mtp import MTPDrafter
 from ..drafters.mtp_rows import PENDING_ROWS
 from .ragged_cache import RaggedKVCache
@@ -48,7 +48,7 @@ DEFERRED_ROWS = 512
 def head_drafter(drafter) -> Optional[MTPDrafter]:
     """The :class:`MTPDrafter` of a head-based ``drafter`` (itself, or
     ``mtp+ngram``'s); None for one that drafts without the head."""
-    return drafter.head_drafter if isinstance(drafter, HeadBased) else None
+    return drafter.head_drafter if implements(drafter, HeadBased) else None
 
 
 class MTPBatch:

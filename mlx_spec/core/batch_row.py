@@ -13,7 +13,7 @@ from typing import Collection, List, Optional
 
 
 from ..drafters import contract
-from ..drafters.contract import HeadBased
+from ..drafters.contract import HeadBased, implements
 from .batch_mtp import MTPBatch, head_drafter
 from .pass_plan import NO_DRAFT, Draft
 from .policy import RowAcceptance
@@ -57,7 +57,7 @@ class BatchRow:
         then caught up before the draft is timed (a full copy of
         ``mtp+ngram`` does not: the head's rows stay deferred)."""
         drafter = self.decoder.drafter
-        return not isinstance(drafter, HeadBased) or drafter.needs_head_state(k)
+        return not implements(drafter, HeadBased) or drafter.needs_head_state(k)
 
     def verify(self, draft: Draft, logits, logprobs, plain: bool):
         """``(accepted, next token, scores)`` of the row's part of the pass

@@ -45,6 +45,15 @@ class RowGroup(Enum):
     HEAD = "head"
 
 
+Pair = Tuple[int, int]  # the lengths (k, k_h) of the copy rows and the head rows
+_INDEX = {RowGroup.COPIES: 0, RowGroup.HEAD: 1}
+
+
+def _with(pair: Pair, g: RowGroup, k: int) -> Pair:
+    """``pair`` with group ``g``'s length ``k``."""
+    return (k, pair[1]) if g is RowGroup.COPIES else (pair[0], k)
+
+
 def group_of_source(source) -> RowGroup:
     """The group drafts of a named source belong to."""
     return RowGroup.HEAD if source == HEAD_SOURCE else RowGroup.COPIES
@@ -103,7 +112,7 @@ class _Table:
     drafting: Dict[RowGroup, List[int]]  # group -> rows drafting per length
     theta: List[float]  # the cost model's coefficients
     forward: Dict[int, float] = field(default_factory=dict)  # T -> forward seconds
-    seconds: Dict[Tuple[int, int], float] = field(default_factory=dict)
+    seconds: Dict[Pair, float] = field(default_factory=dict)
 
 
 class DraftLengths:
@@ -127,14 +136,13 @@ class DraftLengths:
             {g: _drafting(members[g], limits[g] + 1) for g in RowGroup},
             self.cost.coefficients(),
         )
-        best, best_speed = {g: 0 for g in RowGroup}, None
+        best, best_speed = (0, 0), None  # (k, k_h)
         for k in range(limits[RowGroup.COPIES] + 1):
             for kh in range(limits[RowGroup.HEAD] + 1):
-                ks = {RowGroup.COPIES: k, RowGroup.HEAD: kh}
-                speed = self._speed(table, ks)
+                speed = self._speed(table, (k, kh))
                 if best_speed is None or speed > best_speed:
-                    best, best_speed = ks, speed
-        chosen = dict(best)
+                    best, best_speed = (k, kh), speed
+        chosen = dict(zip(RowGroup, best))
         for g in RowGroup:
             if members[g]:
                 chosen[g] = self._explore(g, best, members[g], limits[g], table)
@@ -145,26 +153,26 @@ class DraftLengths:
                 self.states[g].last_choice, self.states[g].chosen = chosen[g], True
         return chosen
 
-    def _explore(self, g, best, members, limit: int, table: _Table) -> int:
-        """Group ``g``'s length: its best (``best[g]``, the others at theirs)
-        or a probe of one draft, a depth probe or a cost probe."""
+    def _explore(self, g, best: Pair, members, limit: int, table: _Table) -> int:
+        """Group ``g``'s length: its best (in ``best``, the other group at
+        its own) or a probe of one draft, a depth probe or a cost probe."""
         t, state = self.tuning, self.states[g]
-        k = state.best = best[g]
+        k = state.best = best[_INDEX[g]]
         if k == 0 and state.last_choice:
             # Drafting stopped (or a probe ran): the next probe waits by what
             # a draft costs, as fitted (a probe's own time: observe).
             probe = self.cost.cost(self._probe_shape(table, best, g, len(members)))
-            state.probes.space(probe, self._seconds(table, {**best, g: 0}))
+            state.probes.space(probe, self._seconds(table, _with(best, g, 0)))
         k = state.probes.apply(k, limit)
         state.deepened = False
-        if 0 < best[g] < limit and min(c.evidence[k] for c in members) < (
+        if 0 < state.best < limit and min(c.evidence[k] for c in members) < (
             t.depth_evidence
         ):
             # A depth probe: the next position is barely tested (its estimate
             # may be stale), likely reached, and one more draft looks nearly
             # as good.
             reach = sum(math.prod(c.acceptance[:k]) for c in members) / len(members)
-            deeper = self._speed(table, {**best, g: k + 1})
+            deeper = self._speed(table, _with(best, g, k + 1))
             near = deeper >= (1 - t.depth_margin) * self._speed(table, best)
             if reach >= t.depth_reach and near:
                 k, state.deepened = k + 1, True
@@ -173,9 +181,9 @@ class DraftLengths:
             state.deepened = False
         return k
 
-    def _shape(self, table: _Table, ks: Dict[RowGroup, int]) -> PassShape:
+    def _shape(self, table: _Table, ks: Pair) -> PassShape:
         r = table.request
-        k, kh = ks[RowGroup.COPIES], ks[RowGroup.HEAD]
+        k, kh = ks
         drafting = (
             table.drafting[RowGroup.COPIES][k] + table.drafting[RowGroup.HEAD][kh]
         )
@@ -191,7 +199,7 @@ class DraftLengths:
     def _probe_shape(self, table: _Table, ks, g: RowGroup, rows: int) -> PassShape:
         """The pass with group ``g``'s ``rows`` rows drafting one token each,
         the other group at its length."""
-        shape = self._shape(table, {**ks, g: 0})
+        shape = self._shape(table, _with(ks, g, 0))
         head = g is RowGroup.HEAD
         return PassShape(
             shape.rows,
@@ -202,23 +210,25 @@ class DraftLengths:
             shape.context,
         )
 
-    def _seconds(self, table: _Table, ks: Dict[RowGroup, int]) -> float:
+    def _seconds(self, table: _Table, ks: Pair) -> float:
         """The pass's cost with lengths ``ks`` (``PassCost.cost``'s
         arithmetic, over the table's forwards and coefficients)."""
-        key = (ks[RowGroup.COPIES], ks[RowGroup.HEAD])
-        if key not in table.seconds:
+        seconds = table.seconds.get(ks)
+        if seconds is None:
             shape = self._shape(table, ks)
-            if shape.T not in table.forward:
+            forward = table.forward.get(shape.T)
+            if forward is None:
                 forward = self.cost.forward(shape.rows * shape.T, shape.context)
                 table.forward[shape.T] = forward
-            f = self.cost.features(shape, table.forward[shape.T])
+            f = self.cost.features(shape, forward)
             seconds = max(sum(a * b for a, b in zip(f, table.theta)), 1e-9)
-            table.seconds[key] = seconds
-        return table.seconds[key]
+            table.seconds[ks] = seconds
+        return seconds
 
-    def _speed(self, table: _Table, ks: Dict[RowGroup, int]) -> float:
+    def _speed(self, table: _Table, ks: Pair) -> float:
         """Expected tokens a second of the pass with lengths ``ks``."""
-        tokens = table.request.others + sum(table.tokens[g][ks[g]] for g in RowGroup)
+        copies, head = table.tokens[RowGroup.COPIES], table.tokens[RowGroup.HEAD]
+        tokens = table.request.others + copies[ks[0]] + head[ks[1]]
         return tokens / self._seconds(table, ks)
 
     # -- learning ------------------------------------------------------------

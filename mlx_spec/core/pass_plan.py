@@ -8,6 +8,7 @@ says what was drafted, where, or what it cost.
 """
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -57,7 +58,7 @@ class PassPlan:
     # The auto rows, each with the group whose length it drafted under.
     groups: Dict[int, RowGroup] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def T(self) -> int:
         """Positions per row: the pending token and the longest draft."""
         return 1 + max(len(d) for d in self.drafts.values())

@@ -219,23 +219,37 @@ class HeadBased(Protocol):
 
 
 # -- the optional contracts' defaults, for a drafter without them ----------------
+_IMPLEMENTS: Dict[Tuple[type, type], bool] = {}
+
+
+def implements(drafter, contract) -> bool:
+    """Whether ``drafter`` implements the optional ``contract`` (a
+    runtime-checkable protocol), asked once per class: the engine asks every
+    pass, and a protocol's ``isinstance`` looks up each of its members."""
+    key = (type(drafter), contract)
+    known = _IMPLEMENTS.get(key)
+    if known is None:
+        known = _IMPLEMENTS[key] = isinstance(drafter, contract)
+    return known
+
+
 def set_sampling(drafter: Drafter, choose: Optional[DraftChooser]):
     """Tell ``drafter`` how drafts are chosen; a deterministic one keeps its
     own (the verifier treats its q as one-hot)."""
-    if isinstance(drafter, SamplesDrafts):
+    if implements(drafter, SamplesDrafts):
         drafter.set_sampling(choose)
 
 
 def can_draft(drafter: Drafter) -> bool:
-    return drafter.can_draft() if isinstance(drafter, KnowsEmpty) else True
+    return drafter.can_draft() if implements(drafter, KnowsEmpty) else True
 
 
 def rows_read(drafter: Drafter, n: int) -> int:
-    return drafter.rows_read(n) if isinstance(drafter, ReadsPromptRows) else n
+    return drafter.rows_read(n) if implements(drafter, ReadsPromptRows) else n
 
 
 def draft_source(drafter: Drafter, k: int, look: bool = True) -> Optional[str]:
-    if isinstance(drafter, SelfJudging):
+    if implements(drafter, SelfJudging):
         return drafter.draft_source(k, look)
     return None
 
@@ -243,40 +257,40 @@ def draft_source(drafter: Drafter, k: int, look: bool = True) -> Optional[str]:
 def judged(drafter: Drafter) -> Hindsight:
     """What ``drafter`` judged in hindsight since it was last asked (and,
     asked once, it goes on judging); nothing for one that does not judge."""
-    return drafter.hindsight() if isinstance(drafter, SelfJudging) else {}
+    return drafter.hindsight() if implements(drafter, SelfJudging) else {}
 
 
 def tell_paying(drafter: Drafter, source: str, paying: bool):
-    if isinstance(drafter, SelfJudging):
+    if implements(drafter, SelfJudging):
         drafter.set_source_paying(source, paying)
 
 
 def catch_up(drafter: Drafter):
-    if isinstance(drafter, DefersWork):
+    if implements(drafter, DefersWork):
         drafter.catch_up()
 
 
 def take_deferred(drafter: Drafter) -> List[DeferredPass]:
-    return drafter.take_deferred() if isinstance(drafter, DefersWork) else []
+    return drafter.take_deferred() if implements(drafter, DefersWork) else []
 
 
 def put_deferred(drafter: Drafter, rows: List[DeferredPass]):
-    if isinstance(drafter, DefersWork):
+    if implements(drafter, DefersWork):
         drafter.put_deferred(rows)
     elif rows:
         raise ValueError(f"drafter {drafter.name!r} defers no work")
 
 
 def saved_arrays(drafter: Drafter) -> List[mx.array]:
-    return drafter.saved_arrays() if isinstance(drafter, KeepsArrays) else []
+    return drafter.saved_arrays() if implements(drafter, KeepsArrays) else []
 
 
 def check_state(drafter: Drafter, arrays, deferred: List[DeferredPass]):
     """``ValueError`` unless ``arrays`` and ``deferred`` fit ``drafter``: a
     drafter keeping no arrays and deferring nothing has none."""
-    if isinstance(drafter, KeepsArrays):
+    if implements(drafter, KeepsArrays):
         drafter.check_state(arrays, deferred)
-    elif arrays or (deferred and not isinstance(drafter, DefersWork)):
+    elif arrays or (deferred and not implements(drafter, DefersWork)):
         raise ValueError(f"drafter {drafter.name!r} keeps no arrays, the state has")
 
 
@@ -284,7 +298,7 @@ def restore(drafter: Drafter, history: Sequence[int], arrays: Sequence[mx.array]
     """Rebuild ``drafter`` for a saved ``history``: from its arrays, or, for
     a drafter keeping none, from the tokens alone (one that reads hidden
     states cannot be: they were not saved)."""
-    if isinstance(drafter, KeepsArrays):
+    if implements(drafter, KeepsArrays):
         drafter.restore(history, arrays)
     elif drafter.needs_hidden:
         raise ValueError(f"drafter {drafter.name!r} cannot be restored")
