@@ -83,6 +83,14 @@ class PassRequest:
     context: int = SHORT_CONTEXT  # tokens before the pass, averaged over rows
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What one row's verified drafts said of its group's first position."""
+
+    evidence: float  # its decayed trials there before the pass
+    accepted: bool  # its first draft was accepted
+
+
 @dataclass
 class GroupState:
     """A group's exploration: its probes, its decayed count of timed plain
@@ -165,12 +173,13 @@ class DraftLengths:
             state.probes.space(probe, self._seconds(table, _with(best, g, 0)))
         k = state.probes.apply(k, limit)
         state.deepened = False
-        if 0 < state.best < limit and min(c.evidence[k] for c in members) < (
+        if 0 < state.best < limit and sum(c.evidence[k] for c in members) < (
             t.depth_evidence
         ):
-            # A depth probe: the next position is barely tested (its estimate
-            # may be stale), likely reached, and one more draft looks nearly
-            # as good.
+            # A depth probe: the next position is barely tested by the group
+            # (its estimates may be stale; the rows' trials pooled, as a
+            # probe's), likely reached, and one more draft looks nearly as
+            # good.
             reach = sum(math.prod(c.acceptance[:k]) for c in members) / len(members)
             deeper = self._speed(table, _with(best, g, k + 1))
             near = deeper >= (1 - t.depth_margin) * self._speed(table, best)
@@ -237,13 +246,17 @@ class DraftLengths:
         they stand in for its probes (the next waits a full interval)."""
         self.states[g].probes.restart()
 
-    def probed(self, g: RowGroup, accepted: bool, evidence: float):
-        """The rows of group ``g`` verified drafts (``accepted``: any was),
-        the first position having ``evidence`` decayed trials before them:
-        a probe, if the last choice was one, says what it found."""
+    def probed(self, g: RowGroup, verdicts: Sequence[Verdict]):
+        """The rows of group ``g`` that verified drafts, each a
+        :class:`Verdict`: a probe, if the last choice was one, says what it
+        found for the group as a whole. Its first position's evidence is the
+        group's, pooled: in a batch some row of many accepts nearly every
+        probe, and a new row always has little evidence of its own, so a
+        row's verdict would keep every probe of the batch in a streak."""
         probes = self.states[g].probes
-        if probes.probing:
-            probes.probed(accepted, evidence)
+        if probes.probing and verdicts:
+            accepted = any(v.accepted for v in verdicts)
+            probes.probed(accepted, sum(v.evidence for v in verdicts))
 
     def observe(self, shape: PassShape, seconds: float, drafted: Dict[RowGroup, int]):
         """A pass of ``shape`` took ``seconds`` (timed fairly); ``drafted``:

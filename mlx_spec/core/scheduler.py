@@ -19,6 +19,7 @@ from .draft_lengths import (
     DraftLengths,
     PassRequest,
     RowGroup,
+    Verdict,
     group_of_source,
 )
 from .pass_cost import PassCost, PassShape
@@ -189,13 +190,11 @@ class Scheduler:
         each row's acceptance."""
         for g in set(plan.groups.values()):
             found = [
-                (rows[b].acceptance.active.drafted[0], verdicts[b][1] > 0)
+                Verdict(rows[b].acceptance.active.drafted[0], verdicts[b][1] > 0)
                 for b, group in plan.groups.items()
                 if group is g and b in verdicts and verdicts[b][0] > 0
             ]
-            if found:
-                evidence = min(e for e, _ in found)
-                self.lengths.probed(g, any(a for _, a in found), evidence)
+            self.lengths.probed(g, found)
         for b in plan.groups:
             if b in verdicts:
                 rows[b].acceptance.update(*verdicts[b])

@@ -13,6 +13,7 @@ from ..core.draft_lengths import (
     PassRequest,
     RowGroup,
     group_of_source,
+    Verdict,
 )
 from ..core.pass_cost import PassCost, PassShape
 from ..core.policy import RowAcceptance
@@ -82,7 +83,8 @@ class OneRow:
         """The pass verified ``n_drafted`` drafts, accepted ``n_accepted``."""
         estimate = self.estimates.active
         if n_drafted:
-            self.lengths.probed(self.group, n_accepted > 0, estimate.drafted[0])
+            verdict = Verdict(estimate.drafted[0], n_accepted > 0)
+            self.lengths.probed(self.group, [verdict])
         estimate.update(n_drafted, n_accepted)
 
     def observe_pass(self, n_drafted: int, seconds: float, context=SHORT_CONTEXT):

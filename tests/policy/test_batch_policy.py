@@ -10,7 +10,13 @@ from dataclasses import replace
 
 from mlx_spec.core.batch import BatchDecoder, RowOptions
 from mlx_spec.core.cost_profile import SHORT_CONTEXT, as_cost_profile
-from mlx_spec.core.draft_lengths import Candidate, DraftLengths, PassRequest, RowGroup
+from mlx_spec.core.draft_lengths import (
+    Candidate,
+    DraftLengths,
+    PassRequest,
+    RowGroup,
+    Verdict,
+)
 from mlx_spec.core.pass_cost import PassCost, PassShape
 from mlx_spec.core.policy_tuning import DEFAULT_TUNING as TUNING
 from mlx_spec.core.scheduler import head_catch_up
@@ -115,6 +121,48 @@ def test_the_pass_before_a_probe_is_not_said_to_be_plain():
     assert said == [False] + [True] * (TUNING.probe_every - 2) + [False]
     policy.choose(2, [([0.9] * 8, 8)] * 2)  # drafting pays
     assert not policy.next_is_plain()
+
+
+def _probes_in(rows: int, passes: int, accepting: int) -> int:
+    """Probes of the head group over ``passes`` passes of ``rows`` new head
+    rows (one trial each at the first position, drafts worth nothing at
+    the estimates), of which ``accepting`` accept every probe's draft."""
+    lengths = DraftLengths(PassCost(as_cost_profile(PROFILE), tuning=TUNING))
+    thin = [1.0] * 8
+    candidates = (Candidate(RowGroup.HEAD, [0.0] * 8, thin, 8),) * rows
+    probes = 0
+    for _ in range(passes):
+        if lengths.choose(PassRequest(rows, candidates))[RowGroup.HEAD]:
+            probes += 1
+            verdicts = [Verdict(1.0, b < accepting) for b in range(rows)]
+            lengths.probed(RowGroup.HEAD, verdicts)
+    return probes
+
+
+def test_one_row_of_many_accepting_its_probes_does_not_keep_the_batch_probing():
+    """A probe's verdict is the group's, its evidence pooled over the rows
+    that drafted: eight new rows (one trial each), one of which accepts,
+    have eight trials together, so the probes keep their interval. Alone,
+    the same row's one trial starts a streak of probes (its control)."""
+    passes = 4 * TUNING.probe_every
+    assert _probes_in(8, passes, accepting=1) <= passes // TUNING.probe_every
+    assert _probes_in(1, passes, accepting=1) > passes // 2
+    assert _probes_in(8, passes, accepting=0) <= passes // TUNING.probe_every
+
+
+def test_a_group_of_rows_deepens_only_while_its_pooled_evidence_is_thin():
+    """A depth probe asks whether the next position is barely tested. Eight
+    rows with one trial each there have tested it eight times together: no
+    depth probe; with a quarter of a trial each (two together) they have
+    not (its control)."""
+    tuning = replace(TUNING, plain_probe_weight=0.0)
+    for trials, deepened in ((1.0, False), (0.25, True)):
+        lengths = DraftLengths(PassCost(as_cost_profile(PROFILE), tuning=tuning))
+        evidence = [100.0, trials] + [0.0] * 6
+        row = Candidate(RowGroup.COPIES, [0.9, 0.6] + [0.1] * 6, evidence, 8)
+        chosen = lengths.choose(PassRequest(8, (row,) * 8))[RowGroup.COPIES]
+        assert lengths.states[RowGroup.COPIES].best == 1
+        assert (chosen == 2) is deepened
 
 
 def test_a_longer_fixed_draft_elsewhere_is_free_to_match():
