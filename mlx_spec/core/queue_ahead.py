@@ -10,6 +10,7 @@ takes the queued forward as its own, and rows that join, leave or stop
 before it is read roll it back (:meth:`QueueAhead.unqueue`).
 """
 
+import weakref
 from typing import List, Optional
 
 import mlx.core as mx
@@ -23,7 +24,10 @@ class QueueAhead:
     """The plain pass queued ahead of an engine's next pass, if any."""
 
     def __init__(self, engine):
-        self.engine = engine
+        # The engine holds its queue-ahead: a strong reference back would
+        # make a cycle that keeps a finished engine's caches until the
+        # garbage collector runs (a generation's worth each).
+        self.engine = weakref.proxy(engine)
         self.forward: Optional[Forward] = None  # logits, hidden of the next pass
 
     @property
