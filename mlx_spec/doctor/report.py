@@ -55,13 +55,19 @@ def markdown(report: dict) -> str:
         curve = " ".join(f"{c:.2f}" for c in speed["verify_cost_over_one_token"])
         lines += ["", f"verify cost T=1..9 (x one-token step): {curve}"]
     if speed.get("runs"):
-        lines += ["", "| prompt | draft | plain tok/s | tok/s | speedup | acceptance |"]
-        lines.append("|---|---|---|---|---|---|")
+        lines += [
+            "",
+            "| prompt | draft | plain tok/s | tok/s | speedup | spread | verdict "
+            "| acceptance |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in speed["runs"]:
             acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"][:6])
+            low, high = r["speedup_range"]
             lines.append(
                 f"| {r['prompt']} | {r['draft']} | {r['plain_tps']:.1f} | "
-                f"{r['tps']:.1f} | {r['speedup']:.2f}x | {acc or '-'} |"
+                f"{r['tps']:.1f} | {r['speedup']:.2f}x | {low:.2f}-{high:.2f}x | "
+                f"{r['verdict']} | {acc or '-'} |"
             )
     rec = report.get("recommended")
     if rec:

@@ -3,11 +3,16 @@
 - the verify-cost curve: a target forward over T = 1..9 tokens, the profile
   ``--num-draft-tokens auto`` decides from (measured once, then cached);
 - tokens/s of plain mlx-lm decoding and of each drafter at ``auto``, on a
-  copy and a free-text prompt (``bench``'s runs, alternated, medians), with
-  the acceptance at each draft position pooled over the runs;
-- the settings it recommends: the drafter with the best mean speedup (plain
-  decoding when none reaches :data:`PAYS`), ``auto`` draft lengths, and
-  whether the kernels help (from the kernels part).
+  copy and a free-text prompt (``bench``'s runs, alternated in rounds), with
+  the acceptance at each draft position pooled over the runs. A cell's
+  speedup is the median of its rounds' ratios (each run against the plain
+  run of its own round, so a busy spell falls on both), with their range:
+  its spread on this machine now;
+- the settings it recommends: a drafter only when it is faster beyond its
+  spread, plain decoding only when every drafter is slower beyond its own,
+  and otherwise the default drafter at ``auto`` (which drafts where it pays),
+  saying that no difference was measurable; and whether the kernels help
+  (from the kernels part).
 """
 
 import statistics
@@ -15,17 +20,39 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ..timed_runs import run_plain, run_spec, first_difference, interleaved
 from ..core.verify_profile import verify_cost_profile
+from ..drafters import default_draft
 from .lossless import available_drafters
 from .result import FAIL, PASS, Part
 
 
 def repeats(quick: bool) -> int:
-    """Timed runs per setting and prompt (medians are reported)."""
-    return 2 if quick else 3
+    """Timed rounds per prompt (each runs every setting once)."""
+    return 3 if quick else 5
 
 
-# A mean speedup below this is within a busy machine's noise: not worth it.
+# A drafter is recommended when its speedups, at the low end of their spread,
+# average at least this: a gain this small is not worth a setting.
 PAYS = 1.05
+
+
+class Verdict:
+    """What a cell's spread says of its drafter against plain decoding."""
+
+    FASTER = "faster"  # the whole spread above 1x
+    SLOWER = "slower"  # the whole spread below 1x
+    WITHIN = "within spread"  # 1x inside the spread: no measurable difference
+    NO_DRAFTS = "no drafts made"  # it decoded plainly: a ratio is noise alone
+
+
+def verdict(low: float, high: float, drafts: int) -> str:
+    """A cell's :class:`Verdict` from its range of speedups."""
+    if drafts == 0:
+        return Verdict.NO_DRAFTS
+    if low > 1.0:
+        return Verdict.FASTER
+    if high < 1.0:
+        return Verdict.SLOWER
+    return Verdict.WITHIN
 
 
 def pooled_acceptance(runs: List[dict]) -> Tuple[List[float], List[int], float]:
@@ -51,16 +78,20 @@ def pooled_acceptance(runs: List[dict]) -> Tuple[List[float], List[int], float]:
 
 
 def _row(w, draft, plain, spec) -> dict:
-    plain_tps = statistics.median(r["tps"] for r in plain)
-    tps = statistics.median(r["tps"] for r in spec)
+    """One cell: ``plain`` and ``spec`` are the runs of the same rounds, in
+    order (round i's spec run is set against round i's plain run)."""
+    ratios = [s["tps"] / p["tps"] for p, s in zip(plain, spec) if p["tps"] > 0]
     acceptance, drafted, per_pass = pooled_acceptance(spec)
+    low, high = (min(ratios), max(ratios)) if ratios else (0.0, 0.0)
     return {
         "prompt": w["name"],
         "kind": w["kind"],
         "draft": draft,
-        "plain_tps": plain_tps,
-        "tps": tps,
-        "speedup": tps / plain_tps if plain_tps else 0.0,
+        "plain_tps": statistics.median(r["tps"] for r in plain),
+        "tps": statistics.median(r["tps"] for r in spec),
+        "speedup": statistics.median(ratios) if ratios else 0.0,
+        "speedup_range": [low, high],
+        "verdict": verdict(low, high, sum(drafted)),
         "acceptance_per_position": acceptance,
         "drafted_per_position": drafted,
         "tokens_per_pass": per_pass,
@@ -73,7 +104,6 @@ def measure(
     tokenizer,
     prompts: List[dict],
     repeats: int,
-    warm_up: bool,
     progress: Optional[Callable[[], None]] = None,
 ) -> List[dict]:
     """One row per (prompt, drafter at ``auto``)."""
@@ -81,10 +111,11 @@ def measure(
     rows = []
     for w in prompts:
         prompt, n = w["prompt"], w["max_tokens"]
-        if warm_up:  # compile and allocate every setting before timing
-            run_plain(model, tokenizer, prompt, 4)
-            for d in drafters:
-                run_spec(model, tokenizer, prompt, 4, d, "auto")
+        # Compile and allocate every setting before timing: a short quick run
+        # that pays for it reads as a loss.
+        run_plain(model, tokenizer, prompt, 4)
+        for d in drafters:
+            run_spec(model, tokenizer, prompt, 4, d, "auto")
         runs: Dict[str, list] = {s: [] for s in ["none", *drafters]}
         for _, setting in interleaved(["none", *drafters], repeats):
             if setting == "none":
@@ -98,28 +129,54 @@ def measure(
     return rows
 
 
-def recommend(rows: List[dict], kernels_help: Optional[bool]) -> dict:
-    by_draft: Dict[str, List[float]] = {}
+def recommend(rows: List[dict], kernels_help: Optional[bool], default: str) -> dict:
+    """The settings to use: the drafter whose speedups are highest on average
+    when it is faster beyond its spread (the low ends of its cells average
+    :data:`PAYS` or more), plain decoding when every drafter is slower beyond
+    its own (the high ends average below 1x), else ``default`` at ``auto``:
+    no difference this machine can tell now, and ``auto`` drafts only where
+    it pays. So a run that differs from the last only by noise recommends
+    the same."""
+    cells: Dict[str, List[dict]] = {}
     for r in rows:
-        by_draft.setdefault(r["draft"], []).append(r["speedup"])
-    means = {d: statistics.mean(s) for d, s in by_draft.items()}
+        cells.setdefault(r["draft"], []).append(r)
+
+    def mean(d, pick):
+        return statistics.mean(pick(r) for r in cells[d])
+
+    means = {d: mean(d, lambda r: r["speedup"]) for d in cells}
+    lows = {d: mean(d, lambda r: r["speedup_range"][0]) for d in cells}
+    highs = {d: mean(d, lambda r: r["speedup_range"][1]) for d in cells}
     best = max(means, key=means.get) if means else None
-    pays = best is not None and means[best] >= PAYS
+    if best is not None and lows[best] >= PAYS:
+        draft, k = best, "auto"
+        why = (
+            f"{best} at auto: {means[best]:.2f}x plain decoding on the built-in "
+            f"prompts (its spread {lows[best]:.2f}-{highs[best]:.2f}x)"
+        )
+    elif cells and all(h < 1.0 for h in highs.values()):
+        draft, k = "none", 0
+        why = (
+            "every drafter was slower than plain decoding beyond its spread "
+            "here; decode plainly (--draft none)"
+        )
+    else:
+        draft, k = default, "auto"
+        spread = ", ".join(f"{d} {lows[d]:.2f}-{highs[d]:.2f}x" for d in cells)
+        why = (
+            "no drafter measurably faster or slower than plain decoding here "
+            f"({spread}); the default {default} at auto drafts only where it pays"
+        )
     if kernels_help is None:
         kernels = "n/a (no Metal)"
     else:
         kernels = "auto (a kernel beats its reference)" if kernels_help else "off"
     return {
-        "draft": best if pays else "none",
-        "num_draft_tokens": "auto" if pays else 0,
+        "draft": draft,
+        "num_draft_tokens": k,
         "kernels": kernels,
         "mean_speedup": {d: round(m, 3) for d, m in means.items()},
-        "why": (
-            f"{best} at auto: {means[best]:.2f}x plain decoding on the built-in prompts"
-            if pays
-            else "no drafter reached "
-            f"{PAYS:.2f}x plain decoding here; decode plainly (--draft none)"
-        ),
+        "why": why,
     }
 
 
@@ -142,19 +199,21 @@ def check_speed(
         + " ".join(f"{c / costs[0]:.2f}" for c in costs)
         + f" x a one-token step ({costs[0] * 1e3:.1f} ms)",
     )
-    rows = measure(model, tokenizer, prompts, repeats(quick), not quick, progress)
+    rows = measure(model, tokenizer, prompts, repeats(quick), progress)
     part.facts["runs"] = rows
     for r in rows:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"][:6]) or "-"
         differs = r["first_differing_token"]
+        low, high = r["speedup_range"]
         part.check(
             f"{r['prompt']} / {r['draft']} / auto",
             FAIL if differs is not None else PASS,
             f"{r['tps']:.1f} tok/s against plain {r['plain_tps']:.1f} "
-            f"({r['speedup']:.2f}x), acceptance per position {acc}"
+            f"({r['speedup']:.2f}x, {low:.2f}-{high:.2f}x over the rounds: "
+            f"{r['verdict']}), acceptance per position {acc}"
             + ("" if differs is None else f"; tokens differ from plain from {differs}"),
         )
-    part.facts["recommended"] = recommend(rows, kernels_help)
+    part.facts["recommended"] = recommend(rows, kernels_help, default_draft(model))
     return part.settle(part.facts["recommended"]["why"])
 
 
