@@ -1,0 +1,56 @@
+"""``python -m mlx_spec.plugin MODULE [ARGS...]``: one of mlx-lm's own
+commands (``mlx_lm.generate``, ``mlx_lm.chat``, ``mlx_lm.server``) with the
+plugin enabled: its command line, its output, speculation underneath.
+
+The plugin's options come from the environment, so that every argument
+after the module stays mlx-lm's: ``MLX_SPEC_DRAFT`` (default ``auto``) and
+``MLX_SPEC_NUM_DRAFT_TOKENS`` (``auto`` or an integer).
+"""
+
+import os
+import sys
+from typing import List, Optional
+
+from ..errors import one_line
+from ..mlx_lm_compat import PLUGIN_COMMANDS, command_main
+from . import enable
+
+USAGE = (
+    "usage: python -m mlx_spec.plugin {" + ",".join(PLUGIN_COMMANDS) + "} [ARGS...]\n"
+    "runs that mlx-lm command with lossless speculation (mlx_spec.plugin); "
+    "MLX_SPEC_DRAFT and MLX_SPEC_NUM_DRAFT_TOKENS choose the drafter and "
+    "draft length (default: auto)"
+)
+
+
+def _num_draft_tokens(text: str):
+    return "auto" if text == "auto" else int(text)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    name, args = argv[0], argv[1:]
+    if name not in PLUGIN_COMMANDS:
+        print(f"error: unknown command {name!r:.80}\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        enable(
+            draft=os.environ.get("MLX_SPEC_DRAFT", "auto"),
+            num_draft_tokens=_num_draft_tokens(
+                os.environ.get("MLX_SPEC_NUM_DRAFT_TOKENS", "auto")
+            ),
+        )
+    except ValueError as error:
+        print(f"error: {one_line(error)}", file=sys.stderr)
+        return 2
+    # mlx-lm's parsers read sys.argv: the command sees its own arguments.
+    sys.argv = [name] + args
+    command_main(name)()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
