@@ -36,7 +36,15 @@ from ..mlx_lm_compat import (
 from ..session import DecodeOptions
 from .coverage import Coverage, coverage, model_coverage
 
-__all__ = ["enable", "disable", "is_enabled", "Plugin", "Coverage", "coverage"]
+__all__ = [
+    "enable",
+    "disable",
+    "is_enabled",
+    "report",
+    "Plugin",
+    "Coverage",
+    "coverage",
+]
 
 _NAME = "stream_generate"
 _BATCHABLE = "_is_batchable"
@@ -49,7 +57,8 @@ class Plugin:
 
     ``decisions``: how many calls took each path (``"covered"`` or the
     reason a call ran mlx-lm's own code); ``last_stats``: the speculation
-    counters of the latest covered call.
+    counters of the latest covered call; ``total``: those of every covered
+    call, added when the call ends.
     """
 
     draft: Any = "auto"
@@ -57,6 +66,7 @@ class Plugin:
     max_ngram: int = 3
     decisions: Counter[str] = field(default_factory=collections.Counter)
     last_stats: Optional[SpecStats] = None
+    total: SpecStats = field(default_factory=SpecStats)
     # (object, attribute name, mlx-lm's value) for every replacement made
     _replaced: List[Tuple[Any, str, Any]] = field(default_factory=list)
 
@@ -161,17 +171,45 @@ def routed_stream_generate(*args, **kwargs):
     if "stream" in bound:
         rest["stream"] = bound["stream"]
     stats = plugin.last_stats = SpecStats()
-    yield from spec_stream_generate(
-        bound["model"],
-        bound["tokenizer"],
-        bound["prompt"],
-        max_tokens=bound.get("max_tokens", 256),
-        draft=None if plugin.draft == "auto" else plugin.draft,
-        num_draft_tokens=plugin.num_draft_tokens,
-        max_ngram=plugin.max_ngram,
-        stats=stats,
-        **rest,
-    )
+    try:
+        yield from spec_stream_generate(
+            bound["model"],
+            bound["tokenizer"],
+            bound["prompt"],
+            max_tokens=bound.get("max_tokens", 256),
+            draft=None if plugin.draft == "auto" else plugin.draft,
+            num_draft_tokens=plugin.num_draft_tokens,
+            max_ngram=plugin.max_ngram,
+            stats=stats,
+            **rest,
+        )
+    finally:
+        _add(plugin.total, stats)
+
+
+def _add(total: SpecStats, stats: SpecStats) -> None:
+    total.verify_passes += stats.verify_passes
+    total.drafted += stats.drafted
+    total.accepted += stats.accepted
+    total.generated += stats.generated
+
+
+def report(plugin: Plugin) -> str:
+    """One line: the calls speculated on, those left to mlx-lm (and why),
+    the drafts accepted."""
+    covered = plugin.decisions.get("covered", 0)
+    others = sum(plugin.decisions.values()) - covered
+    line = f"mlx_spec.plugin: {covered} call(s) speculated"
+    if others:
+        why = "; ".join(r for r in plugin.decisions if r != "covered")
+        line += f", {others} run by mlx-lm ({why})"
+    total = plugin.total
+    if total.verify_passes:
+        line += (
+            f"; {total.accepted}/{total.drafted} drafted tokens accepted, "
+            f"{total.tokens_per_pass:.2f} tokens per pass"
+        )
+    return line
 
 
 def _decide(args, kwargs) -> Coverage:

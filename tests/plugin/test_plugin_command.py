@@ -1,0 +1,125 @@
+"""``python -m mlx_spec.plugin``: mlx-lm's own commands, run as a user runs
+them, print what they print without the plugin, while it speculates."""
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from mlx_spec.testing.server import free_port, running_server
+
+PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
+
+
+def run(argv, timeout=300):
+    return subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ),
+    )
+
+
+def generate_args(model):
+    return [
+        "--model",
+        str(model),
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "24",
+        "--verbose",
+        "False",
+        "--ignore-chat-template",
+    ]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_generate_command_prints_mlx_lms_text(checkpoint_dirs, family):
+    model = checkpoint_dirs[family]
+    plain = run(["-m", "mlx_lm", "generate", *generate_args(model)])
+    assert plain.returncode == 0, plain.stderr
+    spec = run(["-m", "mlx_spec.plugin", "mlx_lm.generate", *generate_args(model)])
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and plain.stdout.strip()
+    assert "mlx_spec.plugin: 1 call(s) speculated;" in spec.stderr
+
+
+def test_an_uncovered_command_line_is_run_by_mlx_lm(checkpoint_dirs):
+    args = generate_args(checkpoint_dirs["qwen3_5"]) + ["--max-kv-size", "8"]
+    plain = run(["-m", "mlx_lm", "generate", *args])
+    spec = run(["-m", "mlx_spec.plugin", "mlx_lm.generate", *args])
+    assert spec.stdout == plain.stdout and plain.returncode == spec.returncode == 0
+    assert "0 call(s) speculated, 1 run by mlx-lm (argument 'max_kv_size')" in (
+        spec.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["mlx_lm.nope"], "unknown command 'mlx_lm.nope'"),
+        ([], "usage: python -m mlx_spec.plugin"),
+    ],
+)
+def test_a_bad_command_is_refused_in_one_line(argv, said):
+    result = run(["-m", "mlx_spec.plugin", *argv], timeout=60)
+    assert result.returncode == 2
+    assert said in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_plugin_options_are_refused_in_one_line():
+    env = dict(os.environ, MLX_SPEC_NUM_DRAFT_TOKENS="lots")
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_spec.plugin", "mlx_lm.generate"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "MLX_SPEC_NUM_DRAFT_TOKENS" in result.stderr
+
+
+def completion(port, prompt, max_tokens=16):
+    body = json.dumps(
+        {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    ).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return json.loads(answer.read())["choices"][0]["text"]
+
+
+@pytest.mark.slow
+def test_server_answers_mlx_lms_text(checkpoint_dirs, tmp_path):
+    """``mlx_lm.server`` with the plugin: its own HTTP front, the same
+    greedy completions as without it, the second request (its prompt cache
+    reused) included."""
+    model = str(checkpoint_dirs["qwen3_next"])
+    prompts = [PROMPT, PROMPT + " sat on"]
+    answers = {}
+    for name, argv in (
+        ("plain", ["-m", "mlx_lm", "server"]),
+        ("plugin", ["-m", "mlx_spec.plugin", "mlx_lm.server"]),
+    ):
+        port = free_port()
+        log = tmp_path / f"{name}.log"
+        command = [sys.executable, *argv, "--model", model, "--port", str(port)]
+        with running_server(command, port, log=str(log)):
+            answers[name] = [completion(port, p) for p in prompts]
+    assert answers["plugin"] == answers["plain"]
+    assert all(answers["plain"])
+    # its report, printed when it was stopped
+    assert (
+        "mlx_spec.plugin: 2 call(s) speculated;"
+        in (tmp_path / "plugin.log").read_text()
+    )
