@@ -1,17 +1,20 @@
 """Lossless speculation under mlx-lm's own tools: :func:`enable` /
 :func:`disable`.
 
-:func:`enable` puts one function in place of ``stream_generate`` in every
-loaded mlx-lm module that holds mlx-lm's (``mlx_lm.generate``, where
-``generate`` and the ``generate`` command look it up; ``mlx_lm``; the chat
-and server commands, which imported the name). Each call is judged by
-:func:`~mlx_spec.plugin.coverage.coverage`: a covered call runs mlx-spec's
-``stream_generate`` (one :class:`~mlx_spec.Session`), which yields mlx-lm's
-``GenerationResponse`` fields (plus ``stats``, the call's speculation
-counters); any other call runs mlx-lm's own function with the arguments it
-was given. ``mlx_lm.server`` batches requests only on its ``BatchGenerator``
-path, which never speculates: while enabled, a request for a covered model
-takes the server's per-request path (``stream_generate``) instead.
+:func:`enable` puts its own function in place of mlx-lm's
+``stream_generate`` and ``load`` in every loaded mlx-lm module that holds
+mlx-lm's (``mlx_lm.generate``, where ``generate`` and the ``generate``
+command look them up; ``mlx_lm``; ``mlx_lm.utils``; the chat and server
+commands, which imported the names). Each ``stream_generate`` call is judged
+by :func:`~mlx_spec.plugin.coverage.coverage`: a covered call runs
+mlx-spec's ``stream_generate`` (one :class:`~mlx_spec.Session`), which yields
+mlx-lm's ``GenerationResponse`` fields (plus ``stats``, the call's
+speculation counters); any other call runs mlx-lm's own function with the
+arguments it was given. ``load`` returns what mlx-lm's returns, a covered
+model with its MTP head attached. ``mlx_lm.server`` batches requests only on
+its ``BatchGenerator`` path, which never speculates: while enabled, a
+request for a covered model takes the server's per-request path
+(``stream_generate``) instead.
 
 :func:`disable` puts mlx-lm's own objects back (the same objects: ``is``
 holds).
@@ -29,12 +32,14 @@ from ..generate import stream_generate as spec_stream_generate
 from ..mlx_lm_compat import (
     MLX_LM_VERSION,
     TESTED_MLX_LM,
+    load as plain_load,
     plain_stream_generate,
     plugin_modules,
     server_response_generator,
 )
 from ..session import DecodeOptions
 from .coverage import Coverage, coverage, model_coverage
+from .loading import ready_for_speculation
 
 __all__ = [
     "enable",
@@ -47,8 +52,10 @@ __all__ = [
 ]
 
 _NAME = "stream_generate"
+_LOAD = "load"
 _BATCHABLE = "_is_batchable"
 _SIGNATURE = inspect.signature(plain_stream_generate)
+_LOAD_SIGNATURE = inspect.signature(plain_load)
 
 
 @dataclass
@@ -128,9 +135,13 @@ def disable() -> None:
 def _install() -> List[Tuple[Any, str, Any]]:
     replaced = []
     for module in plugin_modules():
-        if getattr(module, _NAME, None) is plain_stream_generate:
-            replaced.append((module, _NAME, plain_stream_generate))
-            setattr(module, _NAME, routed_stream_generate)
+        for name, original, routed in (
+            (_NAME, plain_stream_generate, routed_stream_generate),
+            (_LOAD, plain_load, routed_load),
+        ):
+            if getattr(module, name, None) is original:
+                replaced.append((module, name, original))
+                setattr(module, name, routed)
     generator = server_response_generator()
     original = generator.__dict__[_BATCHABLE]
     replaced.append((generator, _BATCHABLE, original))
@@ -151,6 +162,23 @@ def _batchable_unless_covered(original: Callable) -> Callable:
         return batchable
 
     return _is_batchable
+
+
+@functools.wraps(plain_load)
+def routed_load(*args, **kwargs):
+    """mlx-lm's ``load``; while the plugin is on, a model it covers comes
+    back with what :func:`mlx_spec.load` adds (its MTP head above all: see
+    :func:`~mlx_spec.plugin.loading.ready_for_speculation`)."""
+    loaded = plain_load(*args, **kwargs)
+    if _active is not None:
+        bound = _LOAD_SIGNATURE.bind(*args, **kwargs).arguments
+        ready_for_speculation(
+            loaded[0],
+            bound["path_or_hf_repo"],
+            revision=bound.get("revision"),
+            lazy=bound.get("lazy", False),
+        )
+    return loaded
 
 
 @functools.wraps(plain_stream_generate)

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_spec
 from mlx_spec import plugin
 from mlx_spec.demo import default_model_path
+from mlx_spec.mlx_lm_compat import load as plain_load
 from mlx_spec.mlx_lm_compat import plain_stream_generate
 from mlx_spec.testing.attention_only import write_llama_checkpoint
 from mlx_spec.testing.checkpoints import FAMILIES, TOKENIZER_VOCAB_SIZE
@@ -83,6 +84,7 @@ def test_disable_restores_mlx_lms_objects():
     plugin.enable(num_draft_tokens=3)
     plugin.enable(draft="ngram")  # enabling twice keeps one set of originals
     assert server.ResponseGenerator.__dict__["_is_batchable"] is not batchable
+    assert server.load is plugin.routed_load and mlx_lm.load is plugin.routed_load
     plugin.disable()
     plugin.disable()
     assert not plugin.is_enabled()
@@ -90,6 +92,8 @@ def test_disable_restores_mlx_lms_objects():
     generate_module = sys.modules["mlx_lm.generate"]
     for module in (mlx_lm, generate_module, sys.modules["mlx_lm.chat"], server):
         assert module.stream_generate is plain_stream_generate
+        assert module.load is plain_load
+    assert sys.modules["mlx_lm.utils"].load is plain_load
     assert generate_module.generate_step is mlx_lm_generate_step()
 
 
@@ -155,17 +159,32 @@ def test_generate_text_is_mlx_lms_and_prompt_cache_reuse_is_exact(loaded):
     assert state.decisions == {"covered": len(PROMPTS) + 1}
 
 
-def test_demo_model_generate_is_mlx_lms_with_the_mtp_head():
-    # mlx_spec.load attaches the head (and, on the CPU, casts the bf16
-    # experts to float32, without which mlx-lm cannot run them there).
-    ref, ref_tok = mlx_spec.load(default_model_path())
-    model, tok = mlx_spec.load(default_model_path())
+@pytest.mark.slow
+def test_demo_model_loaded_by_mlx_lm_drafts_with_its_mtp_head():
+    """mlx-lm's own ``load`` under the plugin attaches the head (and, on the
+    CPU, casts the bf16 experts to float32, without which mlx-lm cannot run
+    them there): ``mlx_lm.generate`` then drafts with it, mlx-lm's text."""
+    ref, ref_tok = mlx_spec.load(default_model_path())  # mlx-lm's computation
     prompt = "import os\nimport sys\n\n\ndef main(argv):\n    "
     want = mlx_lm.generate(ref, ref_tok, prompt, max_tokens=40)
     state = plugin.enable()  # draft="auto": the head, with n-gram copies
+    model, tok = mlx_lm.load(str(default_model_path()))
+    assert model.mtp_head is not None
     assert mlx_lm.generate(model, tok, prompt, max_tokens=40) == want
     assert state.decisions == {"covered": 1}
-    assert state.last_stats.accepted > 0
+    stats = state.last_stats
+    assert stats.accepted > 0 and stats.verify_passes < 40
+
+
+def test_mlx_lms_load_is_its_own_when_the_plugin_is_off(checkpoint_dirs):
+    path = str(checkpoint_dirs["qwen3_next"])
+    plugin.enable()
+    plugin.disable()
+    model, _ = mlx_lm.load(path)
+    assert "mtp_head" not in model.__dict__
+    plugin.enable()
+    model, _, config = mlx_lm.load(path, return_config=True)  # mlx-lm's result
+    assert config["model_type"] == "qwen3_next" and "mtp_head" in model.__dict__
 
 
 @pytest.fixture(scope="module")
