@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from mlx_spec.testing.agent_checkpoint import write_agent_checkpoint
 from mlx_spec.testing.server import free_port, running_server
 
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
@@ -47,6 +48,39 @@ def test_generate_command_prints_mlx_lms_text(checkpoint_dirs, family):
     assert spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout and plain.stdout.strip()
     assert "mlx_spec.plugin: 1 call(s) speculated;" in spec.stderr
+
+
+def without_rates(text):
+    """The chat's screen less its timing lines (tokens/s, peak memory)."""
+    return [line for line in text.splitlines() if "tok/s" not in line]
+
+
+def test_chat_command_shows_mlx_lms_replies(tmp_path):
+    """Two turns of ``mlx_lm.chat`` (its prompt cache kept between them)
+    read from stdin: the same screen, both turns speculated on."""
+    model = write_agent_checkpoint(tmp_path / "agent")  # it has a chat template
+    turns = "hello there\nwhat now\nq\n"
+    env = dict(os.environ, NO_COLOR="1", TERM="dumb")
+    screens = {}
+    for name, argv in (
+        ("plain", ["-m", "mlx_lm", "chat"]),
+        ("plugin", ["-m", "mlx_spec.plugin", "mlx_lm.chat"]),
+    ):
+        result = subprocess.run(
+            [sys.executable, *argv, "--model", str(model), "--max-tokens", "16"],
+            input=turns,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert result.returncode == 0, result.stderr
+        screens[name] = result
+    assert without_rates(screens["plugin"].stdout) == without_rates(
+        screens["plain"].stdout
+    )
+    assert "bye" in screens["plain"].stdout
+    assert "mlx_spec.plugin: 2 call(s) speculated;" in screens["plugin"].stderr
 
 
 def test_an_uncovered_command_line_is_run_by_mlx_lm(checkpoint_dirs):
