@@ -13,6 +13,7 @@ import mlx_lm.server  # noqa: F401
 import pytest
 from mlx_lm.models import mamba
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 import mlx_spec
 from mlx_spec import plugin
@@ -157,6 +158,28 @@ def test_generate_text_is_mlx_lms_and_prompt_cache_reuse_is_exact(loaded):
     assert all(mx.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
     assert mlx_lm.generate(model, tok, PROMPTS[0], max_tokens=MAX_TOKENS) == want_text
     assert state.decisions == {"covered": len(PROMPTS) + 1}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        # deterministic samplings whose verification is not the greedy match
+        dict(logits_processors=make_logits_processors(repetition_penalty=1.5)),
+        dict(sampler=make_sampler(temp=0.7, top_k=1)),
+        dict(kv_bits=4, kv_group_size=32, quantized_kv_start=20),
+        dict(prefill_step_size=5),
+    ],
+    ids=["penalty", "top-k-1", "kv-bits", "prefill-step"],
+)
+def test_mlx_lms_options_are_honoured(loaded, options):
+    (ref, ref_tok), (model, tok) = loaded["qwen3_5"]
+    prompt = PROMPTS[1]
+    want = mlx_lm_tokens(ref, ref_tok, prompt, **options)
+    oracle = OracleDrafter(prompt + want, error=0.3, seed=2)
+    state = plugin.enable(draft=oracle, num_draft_tokens=3)
+    assert mlx_lm_tokens(model, tok, prompt, **options) == want
+    stats = state.last_stats
+    assert state.decisions == {"covered": 1} and 0 < stats.accepted < stats.drafted
 
 
 @pytest.mark.slow
