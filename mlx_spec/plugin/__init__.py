@@ -112,10 +112,8 @@ def enable(
     _warn_untested()
     with _lock:
         plugin = Plugin(draft, num_draft_tokens, max_ngram)
-        if _active is not None:
-            plugin._replaced = _active._replaced
-        else:
-            plugin._replaced = _install()
+        # Enabling again also reaches mlx-lm modules imported since.
+        plugin._replaced = _install(_active._replaced if _active else [])
         _active = plugin
     return plugin
 
@@ -132,8 +130,10 @@ def disable() -> None:
         _active = None
 
 
-def _install() -> List[Tuple[Any, str, Any]]:
-    replaced = []
+def _install(replaced: List[Tuple[Any, str, Any]]) -> List[Tuple[Any, str, Any]]:
+    """Replace every mlx-lm object still in place; ``replaced`` (what an
+    earlier call replaced) with the new replacements appended."""
+    replaced = list(replaced)
     for module in plugin_modules():
         for name, original, routed in (
             (_NAME, plain_stream_generate, routed_stream_generate),
@@ -143,9 +143,10 @@ def _install() -> List[Tuple[Any, str, Any]]:
                 replaced.append((module, name, original))
                 setattr(module, name, routed)
     generator = server_response_generator()
-    original = generator.__dict__[_BATCHABLE]
-    replaced.append((generator, _BATCHABLE, original))
-    setattr(generator, _BATCHABLE, _batchable_unless_covered(original))
+    if not any(owner is generator for owner, _, _ in replaced):
+        original = generator.__dict__[_BATCHABLE]
+        replaced.append((generator, _BATCHABLE, original))
+        setattr(generator, _BATCHABLE, _batchable_unless_covered(original))
     return replaced
 
 

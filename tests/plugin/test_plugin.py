@@ -98,6 +98,33 @@ def test_disable_restores_mlx_lms_objects():
     assert generate_module.generate_step is mlx_lm_generate_step()
 
 
+def test_a_module_imported_after_enabling_is_routed_by_enabling_again():
+    """An mlx-lm module the plugin had not seen (imported since), holding
+    mlx-lm's function, is routed by enabling again, and restored by
+    disable()."""
+    plugin.enable()
+    late = type(sys)("mlx_lm._imported_late")
+    late.stream_generate = plain_stream_generate  # imported before enabling
+    sys.modules[late.__name__] = late
+    try:
+        plugin.enable()
+        assert late.stream_generate is plugin.routed_stream_generate
+        plugin.disable()
+        assert late.stream_generate is plain_stream_generate
+    finally:
+        del sys.modules[late.__name__]
+
+
+def test_a_routed_function_kept_after_disable_runs_mlx_lms_code(loaded):
+    (ref, ref_tok), (model, tok) = loaded["qwen3_next"]
+    want = mlx_lm_tokens(ref, ref_tok, PROMPTS[0])
+    state = plugin.enable()
+    kept = mlx_lm.stream_generate  # as `from mlx_lm import stream_generate`
+    plugin.disable()
+    tokens = [r.token for r in kept(model, tok, mx.array(PROMPTS[0]), MAX_TOKENS)]
+    assert tokens == want and not state.decisions
+
+
 def mlx_lm_generate_step():
     from mlx_spec.mlx_lm_compat import generate_step
 
