@@ -110,6 +110,8 @@ PENALTIES = (
 
 # The releases the test suite passed on; pyproject.toml allows this minor series.
 TESTED_MLX_LM = ("0.32.0", "0.32.2")
+# Those mlx_spec.plugin's tests passed on (it replaces mlx-lm's functions by name).
+PLUGIN_TESTED_MLX_LM = ("0.32.2",)
 MLX_LM_VERSION = mlx_lm.__version__
 
 
@@ -175,6 +177,7 @@ __all__ = [
     "gated_delta_update_runs_ops",
     "chat_arg_parser",
     "PLUGIN_MODULES",
+    "PLUGIN_TESTED_MLX_LM",
     "PLUGIN_COMMANDS",
     "plugin_modules",
     "server_response_generator",
@@ -208,7 +211,10 @@ def plugin_modules():
     import sys
 
     for name in PLUGIN_MODULES:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another mlx-lm's layout: the others are routed
+            pass
     return [
         module
         for name, module in list(sys.modules.items())
@@ -217,11 +223,15 @@ def plugin_modules():
 
 
 def server_response_generator():
-    """``mlx_lm.server.ResponseGenerator``: its ``_is_batchable(args)`` picks
-    between the batched path (``BatchGenerator``) and ``stream_generate``."""
-    from mlx_lm import server
-
-    return server.ResponseGenerator
+    """``mlx_lm.server.ResponseGenerator``, whose ``_is_batchable(args)``
+    picks between the batched path (``BatchGenerator``) and
+    ``stream_generate``; None where this mlx-lm has no such method."""
+    try:
+        from mlx_lm import server
+    except ImportError:
+        return None
+    generator = getattr(server, "ResponseGenerator", None)
+    return generator if "_is_batchable" in getattr(generator, "__dict__", {}) else None
 
 
 def command_main(name: str):

@@ -24,6 +24,7 @@ import collections
 import functools
 import inspect
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Counter, Dict, List, Optional, Tuple, Union
 
@@ -31,7 +32,7 @@ from ..core.stats import SpecStats
 from ..generate import stream_generate as spec_stream_generate
 from ..mlx_lm_compat import (
     MLX_LM_VERSION,
-    TESTED_MLX_LM,
+    PLUGIN_TESTED_MLX_LM,
     load as plain_load,
     plain_stream_generate,
     plugin_modules,
@@ -143,7 +144,13 @@ def _install(replaced: List[Tuple[Any, str, Any]]) -> List[Tuple[Any, str, Any]]
                 replaced.append((module, name, original))
                 setattr(module, name, routed)
     generator = server_response_generator()
-    if not any(owner is generator for owner, _, _ in replaced):
+    if generator is None:
+        warnings.warn(
+            f"mlx_spec.plugin: mlx-lm {MLX_LM_VERSION}'s server has no batching "
+            "test to turn off; its batched requests are not speculated on",
+            stacklevel=3,
+        )
+    elif not any(owner is generator for owner, _, _ in replaced):
         original = generator.__dict__[_BATCHABLE]
         replaced.append((generator, _BATCHABLE, original))
         setattr(generator, _BATCHABLE, _batchable_unless_covered(original))
@@ -265,13 +272,11 @@ def _warn_untested() -> None:
     with: the routing still installs (it replaces one function by name), but
     an mlx-lm that changed its loop may differ from what was checked."""
     global _warned
-    if _warned or MLX_LM_VERSION in TESTED_MLX_LM:
+    if _warned or MLX_LM_VERSION in PLUGIN_TESTED_MLX_LM:
         return
     _warned = True
-    import warnings
-
     warnings.warn(
-        f"mlx_spec.plugin was tested with mlx-lm {' and '.join(TESTED_MLX_LM)}; "
+        f"mlx_spec.plugin was tested with mlx-lm {' and '.join(PLUGIN_TESTED_MLX_LM)}; "
         f"mlx-lm {MLX_LM_VERSION} is installed",
         stacklevel=3,
     )

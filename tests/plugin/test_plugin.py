@@ -349,3 +349,22 @@ def test_bad_options_are_refused_when_enabling(options, named):
     with pytest.raises(ValueError, match=named):
         plugin.enable(**options)
     assert not plugin.is_enabled()
+
+
+def test_an_untested_mlx_lm_is_warned_about_and_still_routed(monkeypatch):
+    monkeypatch.setattr(plugin, "MLX_LM_VERSION", "0.99.0")
+    monkeypatch.setattr(plugin, "_warned", False)
+    with pytest.warns(UserWarning, match="mlx-lm 0.99.0 is installed"):
+        plugin.enable()
+    assert mlx_lm.stream_generate is plugin.routed_stream_generate
+
+
+def test_a_server_without_its_batching_test_is_warned_about(monkeypatch):
+    """An mlx-lm whose server changed: the functions are still routed, and
+    the warning says its batched requests are not speculated on."""
+    monkeypatch.setattr(plugin, "server_response_generator", lambda: None)
+    with pytest.warns(UserWarning, match="batched requests are not speculated"):
+        plugin.enable()
+    assert mlx_lm.stream_generate is plugin.routed_stream_generate
+    plugin.disable()
+    assert mlx_lm.stream_generate is plain_stream_generate

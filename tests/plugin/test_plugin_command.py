@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -136,8 +137,9 @@ def completion(port, prompt, max_tokens=16):
 @pytest.mark.slow
 def test_server_answers_mlx_lms_text(checkpoint_dirs, tmp_path):
     """``mlx_lm.server`` with the plugin: its own HTTP front, the same
-    greedy completions as without it, the second request (its prompt cache
-    reused) included."""
+    greedy completions as without it, one after the other (the second
+    reusing the first's prompt cache) and two at once (which mlx-lm alone
+    would batch)."""
     model = str(checkpoint_dirs["qwen3_next"])
     prompts = [PROMPT, PROMPT + " sat on"]
     answers = {}
@@ -149,11 +151,13 @@ def test_server_answers_mlx_lms_text(checkpoint_dirs, tmp_path):
         log = tmp_path / f"{name}.log"
         command = [sys.executable, *argv, "--model", model, "--port", str(port)]
         with running_server(command, port, log=str(log)):
-            answers[name] = [completion(port, p) for p in prompts]
+            one_by_one = [completion(port, p) for p in prompts]
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                together = list(pool.map(lambda p: completion(port, p), prompts))
+            answers[name] = one_by_one, together
     assert answers["plugin"] == answers["plain"]
-    assert all(answers["plain"])
+    one_by_one, together = answers["plain"]
+    assert all(one_by_one) and together == one_by_one
     # its report, printed when it was stopped
-    assert (
-        "mlx_spec.plugin: 2 call(s) speculated;"
-        in (tmp_path / "plugin.log").read_text()
-    )
+    report = (tmp_path / "plugin.log").read_text()
+    assert "mlx_spec.plugin: 4 call(s) speculated;" in report
