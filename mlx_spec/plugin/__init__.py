@@ -2,10 +2,10 @@
 :func:`disable`.
 
 :func:`enable` puts its own function in place of mlx-lm's
-``stream_generate`` and ``load`` in every loaded mlx-lm module that holds
-mlx-lm's (``mlx_lm.generate``, where ``generate`` and the ``generate``
-command look them up; ``mlx_lm``; ``mlx_lm.utils``; the chat and server
-commands, which imported the names). Each ``stream_generate`` call is judged
+``stream_generate`` in every loaded mlx-lm module that holds mlx-lm's
+(``mlx_lm.generate``, where ``generate`` and the ``generate`` command look
+it up; ``mlx_lm``; the chat and server commands, which imported the name),
+and for ``load`` in those four. Each ``stream_generate`` call is judged
 by :func:`~mlx_spec.plugin.coverage.coverage`: a covered call runs
 mlx-spec's ``stream_generate`` (one :class:`~mlx_spec.Session`), which yields
 mlx-lm's ``GenerationResponse`` fields (plus ``stats``, the call's
@@ -32,6 +32,7 @@ from ..core.stats import SpecStats
 from ..generate import stream_generate as spec_stream_generate
 from ..mlx_lm_compat import (
     MLX_LM_VERSION,
+    PLUGIN_MODULES,
     PLUGIN_TESTED_MLX_LM,
     load as plain_load,
     plain_stream_generate,
@@ -140,6 +141,11 @@ def _install(replaced: List[Tuple[Any, str, Any]]) -> List[Tuple[Any, str, Any]]
             (_NAME, plain_stream_generate, routed_stream_generate),
             (_LOAD, plain_load, routed_load),
         ):
+            # load: only where the generation tools and scripts find it, not
+            # in mlx_lm.utils, whence convert, fuse and the quantizers import
+            # it (a model they save must be exactly the one mlx-lm loads).
+            if name == _LOAD and module.__name__ not in PLUGIN_MODULES:
+                continue
             if getattr(module, name, None) is original:
                 replaced.append((module, name, original))
                 setattr(module, name, routed)

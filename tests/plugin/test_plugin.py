@@ -86,6 +86,7 @@ def test_disable_restores_mlx_lms_objects():
     plugin.enable(draft="ngram")  # enabling twice keeps one set of originals
     assert server.ResponseGenerator.__dict__["_is_batchable"] is not batchable
     assert server.load is plugin.routed_load and mlx_lm.load is plugin.routed_load
+    assert sys.modules["mlx_lm.utils"].load is plain_load
     plugin.disable()
     plugin.disable()
     assert not plugin.is_enabled()
@@ -94,6 +95,7 @@ def test_disable_restores_mlx_lms_objects():
     for module in (mlx_lm, generate_module, sys.modules["mlx_lm.chat"], server):
         assert module.stream_generate is plain_stream_generate
         assert module.load is plain_load
+    # never replaced: convert, fuse and the quantizers import it from there
     assert sys.modules["mlx_lm.utils"].load is plain_load
     assert generate_module.generate_step is mlx_lm_generate_step()
 
