@@ -99,15 +99,16 @@ def enable(
     ``draft``: ``"auto"`` (the MTP head with n-gram copies when the model
     has a head, else n-gram) or a drafter name or object, as
     :class:`~mlx_spec.DecodeOptions` takes; ``num_draft_tokens``: ``"auto"``
-    or a fixed draft length. Options are checked here (``ValueError``).
+    or a fixed draft length (1..8 with ``draft="auto"``, which may draft
+    with an MTP head). Options are checked here (``ValueError``).
     Enabling again replaces the options and keeps the routing. Returns the
     :class:`Plugin` whose counters the calls update.
     """
     global _active
     # Checked now, not at the first call: the named drafter exists, the
-    # length fits it.
+    # length fits it ("auto" may draft with a head: the MTP drafters' bound).
     DecodeOptions(
-        draft="ngram" if draft == "auto" else draft,
+        draft="mtp+ngram" if _is_auto(draft) else draft,
         num_draft_tokens=num_draft_tokens,
         max_ngram=max_ngram,
     )
@@ -118,6 +119,10 @@ def enable(
         plugin._replaced = _install(_active._replaced if _active else [])
         _active = plugin
     return plugin
+
+
+def _is_auto(draft) -> bool:
+    return isinstance(draft, str) and draft == "auto"
 
 
 def disable() -> None:
@@ -219,7 +224,7 @@ def routed_stream_generate(*args, **kwargs):
             bound["tokenizer"],
             bound["prompt"],
             max_tokens=bound.get("max_tokens", 256),
-            draft=None if plugin.draft == "auto" else plugin.draft,
+            draft=None if _is_auto(plugin.draft) else plugin.draft,
             num_draft_tokens=plugin.num_draft_tokens,
             max_ngram=plugin.max_ngram,
             stats=stats,

@@ -345,6 +345,8 @@ def test_the_server_batches_only_what_the_plugin_does_not_cover(
     [
         (dict(draft="eagle"), "unknown draft 'eagle'"),
         (dict(num_draft_tokens=99), "got 99"),
+        (dict(num_draft_tokens=9), "got 9"),  # "auto" may draft with a head
+        (dict(draft="ngram", num_draft_tokens=17), "got 17"),
     ],
 )
 def test_bad_options_are_refused_when_enabling(options, named):
