@@ -189,6 +189,23 @@ def test_generate_text_is_mlx_lms_and_prompt_cache_reuse_is_exact(loaded):
     assert state.decisions == {"covered": len(PROMPTS) + 1}
 
 
+def test_a_prompt_cache_goes_on_under_mlx_lm_after_a_speculated_turn(loaded):
+    """A conversation's cache, its first turn speculated on and its second
+    decoded by mlx-lm (the plugin turned off between them): mlx-lm's
+    tokens, and its caches, array for array."""
+    (ref, ref_tok), (model, tok) = loaded["qwen3_5_moe"]
+    ref_cache = make_prompt_cache(ref)
+    want = [mlx_lm_tokens(ref, ref_tok, p, prompt_cache=ref_cache) for p in PROMPTS]
+    cache = make_prompt_cache(model)
+    plugin.enable(num_draft_tokens=3)
+    got = [mlx_lm_tokens(model, tok, PROMPTS[0], prompt_cache=cache)]
+    plugin.disable()
+    got.append(mlx_lm_tokens(model, tok, PROMPTS[1], prompt_cache=cache))
+    assert got == want
+    ours, theirs = cache_arrays(cache), cache_arrays(ref_cache)
+    assert all(mx.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
 @pytest.mark.parametrize(
     "options",
     [
