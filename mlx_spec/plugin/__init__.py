@@ -77,7 +77,7 @@ class Plugin:
     last_stats: Optional[SpecStats] = None
     total: SpecStats = field(default_factory=SpecStats)
     # (object, attribute name, mlx-lm's value) for every replacement made
-    _replaced: List[Tuple[Any, str, Any]] = field(default_factory=list)
+    _replaced: List[Tuple[Any, str, Any]] = field(default_factory=list, repr=False)
 
 
 _lock = threading.Lock()
@@ -257,6 +257,14 @@ def report(plugin: Plugin) -> str:
             f"{total.tokens_per_pass:.2f} tokens per pass"
         )
     return line
+
+
+# functools.wraps gives mlx-lm's signature and docstring to help() and
+# inspect; the module and name stay this module's, so that a traceback or a
+# repr says whose function runs.
+for _routed in (routed_load, routed_stream_generate):
+    _routed.__module__ = __name__
+    _routed.__name__ = _routed.__qualname__ = _routed.__code__.co_name
 
 
 def _decide(args, kwargs) -> Coverage:
