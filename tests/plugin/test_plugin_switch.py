@@ -191,3 +191,23 @@ def test_install_and_remove_hook_touch_only_their_own_file(tmp_path, monkeypatch
 
 def test_the_hook_commands_are_in_the_usage():
     assert "--install-hook" in command.USAGE and "--remove-hook" in command.USAGE
+
+
+def test_the_build_puts_the_file_at_the_wheels_root(tmp_path):
+    """setup.py's build_py: what a wheel carries to site-packages (the
+    wheel's root) holds the start-up file and the hook module. (A real
+    wheel needs the build backend from the network; this is its step.)"""
+    build, egg = tmp_path / "build", tmp_path / "egg"
+    egg.mkdir()
+    result = subprocess.run(
+        [sys.executable, "setup.py", "-q", "egg_info", "-e", str(egg)]
+        + ["build_py", "-d", str(build)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (build / _mlx_spec_hook.PTH_NAME).read_text() == _mlx_spec_hook.PTH_LINE
+    assert (build / "_mlx_spec_hook.py").is_file()
+    assert (build / "mlx_spec" / "plugin" / "__init__.py").is_file()
