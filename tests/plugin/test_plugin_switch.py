@@ -1,6 +1,8 @@
 """The ``MLX_SPEC_PLUGIN=1`` switch: ``mlx_spec_plugin.pth`` read at start-up
 as Python reads site-packages (``site.addsitedir`` on a folder holding the
-shipped file), then mlx-lm's own command or a script that imports mlx_lm.
+shipped file, from a ``sitecustomize`` on PYTHONPATH: the test's own
+environment is left as it is), then ``python -m mlx_lm generate`` as a user
+types it, or a script that imports mlx_lm.
 
 Off (unset, ``0``, a bad value), mlx-lm's functions are its own and nothing
 of mlx-spec is even imported; on, nothing heavy is imported until the
@@ -22,35 +24,41 @@ from mlx_spec.plugin import __main__ as command
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
 
-# Reads the start-up file as site does for site-packages, then runs CODE.
-STARTUP = "import site, sys; site.addsitedir(sys.argv.pop(1)); "
 ROUTES = (
     # mlx_lm.generate is also a function's name: the module from sys.modules
-    "import mlx_lm; g, u = sys.modules['mlx_lm.generate'], sys.modules['mlx_lm.utils']; "
+    "import sys, mlx_lm; g, u = sys.modules['mlx_lm.generate'], sys.modules['mlx_lm.utils']; "
     "print(mlx_lm.stream_generate is g.stream_generate, "
     "g.stream_generate.__module__, mlx_lm.load is u.load)"
 )
 
 
+OPTIONS = ("MLX_SPEC_PLUGIN", "MLX_SPEC_DRAFT", "MLX_SPEC_NUM_DRAFT_TOKENS")
+
+
 @pytest.fixture
 def site_dir(tmp_path):
-    folder = tmp_path / "site"
+    """A folder for PYTHONPATH whose sitecustomize (run by site at every
+    start) reads a site folder holding the shipped file."""
+    folder, startup = tmp_path / "site", tmp_path / "startup"
     folder.mkdir()
+    startup.mkdir()
     shutil.copy(ROOT / _mlx_spec_hook.PTH_NAME, folder)
-    return folder
+    (startup / "sitecustomize.py").write_text(
+        f"import site\nsite.addsitedir({str(folder)!r})\n"
+    )
+    return startup
 
 
-def python(site_dir, code, *args, switch=None, extra_env=None, timeout=300):
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("MLX_SPEC_PLUGIN") and k != "MLX_SPEC_NUM_DRAFT_TOKENS"
-    }
+def python(site_dir, *argv, switch=None, extra_env=None, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k not in OPTIONS}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(site_dir)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    )
     if switch is not None:
         env["MLX_SPEC_PLUGIN"] = switch
     env.update(extra_env or {})
     return subprocess.run(
-        [sys.executable, "-c", STARTUP + code, str(site_dir), *args],
+        [sys.executable, *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -88,6 +96,7 @@ def test_the_hook_imports_only_the_standard_library_at_start_up():
 def test_off_mlx_lm_is_untouched_and_mlx_spec_never_imported(site_dir, switch):
     result = python(
         site_dir,
+        "-c",
         ROUTES + "; print(sorted(m for m in sys.modules "
         "if m.split('.')[0] in ('mlx_spec', '_mlx_spec_hook')))",
         switch=switch,
@@ -100,7 +109,8 @@ def test_off_mlx_lm_is_untouched_and_mlx_spec_never_imported(site_dir, switch):
 def test_on_nothing_is_imported_before_mlx_lm(site_dir):
     result = python(
         site_dir,
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "-c",
+        "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('mlx', 'mlx_lm', 'mlx_spec'))); " + ROUTES,
         switch="1",
     )
@@ -114,7 +124,7 @@ def test_on_a_program_that_imports_mlx_spec_first_is_routed(site_dir):
     """mlx_spec's own import brings mlx-lm in: the plugin waits for mlx_spec
     to finish importing before it enables."""
     code = "import mlx_spec; import mlx_lm; print(mlx_lm.stream_generate.__module__)"
-    result = python(site_dir, code, switch="1")
+    result = python(site_dir, "-c", code, switch="1")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "mlx_spec.plugin"
 
@@ -128,7 +138,7 @@ def test_on_a_program_that_imports_mlx_spec_first_is_routed(site_dir):
     ],
 )
 def test_a_bad_value_is_one_line_and_the_program_runs_on(site_dir, switch, extra, said):
-    result = python(site_dir, ROUTES, switch=switch, extra_env=extra)
+    result = python(site_dir, "-c", ROUTES, switch=switch, extra_env=extra)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True mlx_lm.generate True"
     lines = result.stderr.splitlines()
@@ -138,8 +148,8 @@ def test_a_bad_value_is_one_line_and_the_program_runs_on(site_dir, switch, extra
 
 def generate_command(model):
     return (
-        "import runpy; sys.argv[0] = 'mlx_lm'; "
-        "runpy.run_module('mlx_lm', run_name='__main__', alter_sys=True)",
+        "-m",
+        "mlx_lm",
         "generate",
         "--model",
         str(model),
@@ -161,10 +171,10 @@ def test_mlx_lms_generate_command_speculates_with_the_switch(
 ):
     """``python -m mlx_lm generate`` as run by a user: same stdout, and the
     line at exit says the call was speculated on."""
-    code, *args = generate_command(checkpoint_dirs[family])
-    plain = python(site_dir, code, *args)
+    args = generate_command(checkpoint_dirs[family])
+    plain = python(site_dir, *args)
     assert plain.returncode == 0, plain.stderr
-    spec = python(site_dir, code, *args, switch="1")
+    spec = python(site_dir, *args, switch="1")
     assert spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout and plain.stdout.strip()
     assert "mlx_spec.plugin: 1 call(s) speculated;" in spec.stderr
@@ -172,7 +182,7 @@ def test_mlx_lms_generate_command_speculates_with_the_switch(
 
 
 def test_a_program_that_never_generates_prints_nothing(site_dir):
-    result = python(site_dir, "import mlx_lm", switch="1")
+    result = python(site_dir, "-c", "import mlx_lm", switch="1")
     assert result.returncode == 0 and result.stderr == "" and result.stdout == ""
 
 
