@@ -1,17 +1,15 @@
 """``python -m mlx_spec.plugin``: mlx-lm's own commands, run as a user runs
 them, print what they print without the plugin, while it speculates."""
 
-import json
 import os
 import subprocess
 import sys
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from mlx_spec.testing.agent_checkpoint import write_agent_checkpoint
-from mlx_spec.testing.server import free_port, running_server
+from mlx_spec.testing.server import completion, free_port, running_server
 
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
 
@@ -121,19 +119,6 @@ def test_bad_plugin_options_are_refused_in_one_line():
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "MLX_SPEC_NUM_DRAFT_TOKENS" in result.stderr
-
-
-def completion(port, prompt, max_tokens=16):
-    body = json.dumps(
-        {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-    ).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=body,
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as answer:
-        return json.loads(answer.read())["choices"][0]["text"]
 
 
 @pytest.mark.slow

@@ -13,13 +13,16 @@ import ast
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 import _mlx_spec_hook
 from mlx_spec.plugin import __main__ as command
+from mlx_spec.testing.server import completion, free_port, running_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
@@ -221,3 +224,47 @@ def test_the_build_puts_the_file_at_the_wheels_root(tmp_path):
     assert (build / _mlx_spec_hook.PTH_NAME).read_text() == _mlx_spec_hook.PTH_LINE
     assert (build / "_mlx_spec_hook.py").is_file()
     assert (build / "mlx_spec" / "plugin" / "__init__.py").is_file()
+
+
+@pytest.mark.slow
+def test_mlx_lms_server_speculates_with_the_switch(
+    checkpoint_dirs, site_dir, tmp_path, monkeypatch
+):
+    """``python -m mlx_lm server``: the same greedy completions with the
+    switch as without, one after the other and two at once; stopped by
+    Ctrl-C (SIGINT, which mlx-lm's server handles), it reports every
+    request speculated on."""
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join(
+            [str(site_dir)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+        ),
+    )
+    for name in OPTIONS:
+        monkeypatch.delenv(name, raising=False)
+    model = str(checkpoint_dirs["qwen3_next"])
+    prompts = [PROMPT, PROMPT + " sat on"]
+    answers = {}
+    for name in ("plain", "switch"):
+        if name == "switch":
+            monkeypatch.setenv("MLX_SPEC_PLUGIN", "1")
+        port = free_port()
+        log = tmp_path / f"{name}.log"
+        command = [sys.executable, "-m", "mlx_lm", "server", "--model", model]
+        with running_server(
+            command + ["--port", str(port)], port, log=str(log)
+        ) as proc:
+            one_by_one = [completion(port, p) for p in prompts]
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                together = list(pool.map(lambda p: completion(port, p), prompts))
+            answers[name] = one_by_one, together
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+    assert answers["switch"] == answers["plain"]
+    one_by_one, together = answers["plain"]
+    assert all(one_by_one) and together == one_by_one
+    assert (
+        "mlx_spec.plugin: 4 call(s) speculated;"
+        in (tmp_path / "switch.log").read_text()
+    )
+    assert "mlx_spec.plugin" not in (tmp_path / "plain.log").read_text()
