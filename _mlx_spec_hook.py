@@ -26,7 +26,10 @@ import threading
 VARIABLE = "MLX_SPEC_PLUGIN"
 # The start-up file: its one line, exactly as shipped in the wheel and as
 # ``python -m mlx_spec.plugin --install-hook`` writes it (a test holds the
-# two equal). site runs a .pth line that starts with "import".
+# two equal). site runs a .pth line that starts with "import", in the
+# order of the file names: this one comes after setuptools'
+# "__editable__.*.pth", whose finder an editable install needs to import
+# this module.
 PTH_NAME = "mlx_spec_plugin.pth"
 PTH_LINE = (
     'import os; os.environ.get("MLX_SPEC_PLUGIN", "0") not in ("", "0") and '
