@@ -17,11 +17,12 @@ cannot be imported, options it refuses, all end as one line on stderr and
 the program runs on mlx-lm's own code.
 """
 
+# Built-in modules only (no importlib.abc, threading: tens of milliseconds
+# more at every start-up with the switch on).
+import _thread
 import atexit
-import importlib.abc
 import os
 import sys
-import threading
 
 VARIABLE = "MLX_SPEC_PLUGIN"
 # The start-up file: its one line, exactly as shipped in the wheel and as
@@ -43,7 +44,7 @@ ON, OFF = ("1",), ("", "0")
 _WATCHED = ("mlx_lm", "mlx_spec")
 _PREFIX = "mlx_spec.plugin (MLX_SPEC_PLUGIN): "
 
-_lock = threading.Lock()
+_lock = _thread.allocate_lock()
 _read = False
 _finder = None
 _plugin = None
@@ -120,7 +121,7 @@ def _report() -> None:
         pass
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     """Finds nothing itself: for ``mlx_lm`` and ``mlx_spec`` it asks the
     other finders and wraps the loader they return, to learn when the
     module's code has finished running."""
@@ -145,7 +146,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:
     def __init__(self, loader, finder):
         self.loader, self.finder = loader, finder
 
