@@ -27,9 +27,9 @@ from .session import (
 )
 
 # Arguments of mlx-lm's generate_step that only plain decoding supports.
-_PLAIN_ONLY = ("max_kv_size", "input_embeddings")
+PLAIN_ONLY = ("max_kv_size", "input_embeddings")
 # Those speculative decoding takes (the cache options are in the session's).
-_SPECULATIVE = (
+SPECULATIVE_ARGUMENTS = (
     "max_tokens",
     "sampler",
     "logits_processors",
@@ -183,13 +183,13 @@ def stream_generate(
         tokens = generate_step(prompt, model, stream, **kwargs)
         tokens = ((t, lp, False) for t, lp in tokens)
     else:
-        used = [k for k in _PLAIN_ONLY if kwargs.get(k) is not None]
+        used = [k for k in PLAIN_ONLY if kwargs.get(k) is not None]
         if used:
             raise ValueError(
                 f"{', '.join(used)} is not supported with speculative decoding "
                 f"(draft={options.draft!r}); use draft='none'"
             )
-        unknown = sorted(set(kwargs) - set(_SPECULATIVE + _PLAIN_ONLY))
+        unknown = sorted(set(kwargs) - set(SPECULATIVE_ARGUMENTS + PLAIN_ONLY))
         if unknown:  # what mlx-lm's generate_step would refuse too
             raise TypeError(
                 f"stream_generate() got an unexpected keyword argument {unknown[0]!r}"

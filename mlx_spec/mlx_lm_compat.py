@@ -110,6 +110,8 @@ PENALTIES = (
 
 # The releases the test suite passed on; pyproject.toml allows this minor series.
 TESTED_MLX_LM = ("0.32.0", "0.32.2")
+# Those mlx_spec.plugin's tests passed on (it replaces mlx-lm's functions by name).
+PLUGIN_TESTED_MLX_LM = ("0.32.2",)
 MLX_LM_VERSION = mlx_lm.__version__
 
 
@@ -174,6 +176,12 @@ __all__ = [
     "server_message_helpers",
     "gated_delta_update_runs_ops",
     "chat_arg_parser",
+    "PLUGIN_MODULES",
+    "PLUGIN_TESTED_MLX_LM",
+    "PLUGIN_COMMANDS",
+    "plugin_modules",
+    "server_response_generator",
+    "command_main",
     "wired_limit",
     "scaled_dot_product_attention",
 ]
@@ -186,6 +194,56 @@ def gated_delta_update_runs_ops(k) -> bool:
     dk = k.shape[-1]
     on_metal = mx.default_device() == mx.gpu and mx.metal.is_available()
     return not on_metal or dk < 32 or dk % 32 != 0
+
+
+# The modules of mlx-lm whose ``stream_generate`` the plugin routes: the one
+# that defines it and those that import the name from it (the package, the
+# chat and server commands). Their ``main`` is each command's entry point.
+PLUGIN_MODULES = ("mlx_lm.generate", "mlx_lm", "mlx_lm.chat", "mlx_lm.server")
+PLUGIN_COMMANDS = ("mlx_lm.generate", "mlx_lm.chat", "mlx_lm.server")
+
+
+def plugin_modules():
+    """Every loaded mlx-lm module, after importing those of ``PLUGIN_MODULES``
+    (a module imported later by another mlx-lm module, holding the name it
+    imported from ``mlx_lm.generate``, is found here too)."""
+    import importlib
+    import sys
+
+    for name in PLUGIN_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another mlx-lm's layout: the others are routed
+            pass
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if module is not None and (name == "mlx_lm" or name.startswith("mlx_lm."))
+    ]
+
+
+def server_response_generator():
+    """``mlx_lm.server.ResponseGenerator``, whose ``_is_batchable(args)``
+    picks between the batched path (``BatchGenerator``) and
+    ``stream_generate``; None where this mlx-lm has no such method."""
+    try:
+        from mlx_lm import server
+    except ImportError:
+        return None
+    generator = getattr(server, "ResponseGenerator", None)
+    return generator if "_is_batchable" in getattr(generator, "__dict__", {}) else None
+
+
+def command_main(name: str):
+    """The ``main`` of the mlx-lm command module ``name`` (one of
+    ``PLUGIN_COMMANDS``); ``ValueError`` naming the choices otherwise."""
+    import importlib
+
+    if name not in PLUGIN_COMMANDS:
+        raise ValueError(
+            f"unknown mlx-lm command {name!r}; choose one of {', '.join(PLUGIN_COMMANDS)}"
+        )
+    return importlib.import_module(name).main
 
 
 def server_message_helpers():

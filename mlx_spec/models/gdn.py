@@ -117,6 +117,12 @@ _VERIFY_CLASSES = {
 }
 
 
+def is_verifiable(layer) -> bool:
+    """Whether :func:`make_verifiable` can give ``layer`` the verify forward
+    (or already did); looks only, changes nothing."""
+    return type(layer) in _VERIFY_CLASSES or type(layer) in _VERIFY_CLASSES.values()
+
+
 def make_verifiable(layer) -> bool:
     """Give a GDN module the verify forward in place; False if it is not GDN.
 

@@ -5,12 +5,14 @@ server's engine directly; an engine whose passes a test can hold and count."""
 import collections
 import contextlib
 import http.client
+import json
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from typing import Iterator, List, Optional
 
 from ..server.engine import Engine
@@ -85,6 +87,21 @@ def running_server(
             proc.wait(timeout=20)
         if log:
             out.close()
+
+
+def completion(port: int, prompt: str, max_tokens: int = 16) -> str:
+    """The greedy text an OpenAI-style server on 127.0.0.1:``port`` (mlx-lm's
+    or mlx-spec's) completes ``prompt`` with."""
+    body = json.dumps(
+        {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    ).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return json.loads(answer.read())["choices"][0]["text"]
 
 
 def mlx_spec_server(model, port: int, *extra: str) -> List[str]:
