@@ -72,17 +72,23 @@ def block_mask(
 ) -> Optional[mx.array]:
     """[L, (offset - start) + L] (bool, True: attended): block position i (at
     ``offset + i``) against the kept context ``start .. offset - 1`` and the
-    block; None when every query sees every key."""
+    block; None when every query sees every key.
+
+    The window limits the context only: inside the block a query sees every
+    block position (or those up to its own when causal), as z-lab's reference
+    implementation does (the block is never longer than a window in practice).
+    """
     if not causal and window is None:
         return None
     query = offset + mx.arange(L)[:, None]
     key = mx.concatenate([mx.arange(start, offset), offset + mx.arange(L)])[None]
-    seen = mx.ones((L, offset - start + L), dtype=mx.bool_)
-    if causal:
-        seen = seen & (key <= query)
-    if window is not None:
-        seen = seen & (query - key < window)
-    return seen
+    in_block = key >= offset
+    if window is None:
+        context = ~in_block
+    else:
+        context = ~in_block & (query - key < window)
+    block = in_block & (key <= query) if causal else in_block
+    return context | block
 
 
 class DFlashAttention(nn.Module):
