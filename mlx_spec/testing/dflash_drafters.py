@@ -33,19 +33,25 @@ def dflash_config(
     *,
     num_hidden_layers: int = 2,
     block_size: int = 4,
-    target_layer_ids: Tuple[int, ...] = (0, 1),
+    target_layer_ids: Any = (0, 1),
     **overrides: Any,
 ) -> Dict[str, Any]:
     """The ``config.json`` of a tiny drafter for ``family``'s tiny target;
     ``overrides`` replace top-level fields (``None``: removed), the keys of
-    ``dflash_config`` included (``mask_token_id=None`` removes it)."""
+    ``dflash_config`` included (``mask_token_id=None`` removes it);
+    ``target_layer_ids``: a tuple, or any value written as it is (None: left
+    out)."""
     target = target_dims(family)
     H = target["hidden_size"]
     dflash = {
         "block_size": block_size,
-        "target_layer_ids": list(target_layer_ids),
+        "target_layer_ids": target_layer_ids,
         "mask_token_id": target["vocab_size"] - 1,
     }
+    if target_layer_ids is None:  # the loader spreads them over the target
+        del dflash["target_layer_ids"]
+    elif isinstance(target_layer_ids, tuple):
+        dflash["target_layer_ids"] = list(target_layer_ids)
     config: Dict[str, Any] = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
