@@ -152,6 +152,12 @@ def test_context_in_chunks_gives_the_drafts_of_one_chunk(tmp_path, targets, layo
         chunked, cache = _draft(drafter, features[:, start:stop], cache)
     assert mx.allclose(whole, chunked, atol=ATOL)
     assert [c.offset for c in cache] == [40, 40]
+    # Context taken in without drafting, then a draft of the block alone.
+    extended = drafter.make_cache()
+    drafter.extend(features[:, :31], extended)
+    drafter.extend(features[:, 31:], extended)
+    alone, _ = _draft(drafter, None, extended)
+    assert mx.allclose(whole, alone, atol=ATOL)
     if layout == "sliding":  # the window's layer dropped what it cannot see
         assert cache[0].size < 40 and cache[1].size == 40
 

@@ -239,6 +239,18 @@ class DFlashDraftModel(nn.Module):
         vectors [B, S, H]."""
         return self.hidden_norm(self.fc(features))
 
+    def extend(self, features: mx.array, cache: List[ContextCache]) -> None:
+        """Append the context positions of ``features`` [B, S, n * H] to every
+        layer's cache without drafting: a layer's context keys and values
+        depend on the context vectors alone, so accepted positions can be
+        taken in as they come and the next draft runs the block only."""
+        context = self.context(features)
+        for layer, layer_cache in zip(self.layers, cache):
+            attn = layer.self_attn
+            layer_cache.append(
+                *attn.keys_values(context, self._rope, layer_cache.offset)
+            )
+
     def hidden_states(
         self,
         block: mx.array,
