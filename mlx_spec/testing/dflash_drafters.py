@@ -80,7 +80,7 @@ def dflash_config(
 def tensor_shapes(config: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
     """Every tensor of a ``DFlashDraftModel`` checkpoint with ``config``."""
     H = config["hidden_size"]
-    D = config["head_dim"]
+    D = config.get("head_dim") or H // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * D, config["num_key_value_heads"] * D
     inter = config["intermediate_size"]
     ids = config.get("dflash_config", {}).get("target_layer_ids")

@@ -177,6 +177,14 @@ def test_integer_tensors_are_refused(tmp_path, target):
         load_drafter(path, target)
 
 
+def test_a_config_without_head_dim_divides_the_hidden_size(tmp_path, target):
+    path = write_dflash_checkpoint(
+        tmp_path, FAMILY, head_dim=None, num_attention_heads=4, num_key_value_heads=2
+    )
+    drafter = load_drafter(path, target)  # the tensors were written for 64 / 4
+    assert drafter.config.head_dim == 16
+
+
 def test_a_missing_path_is_named(tmp_path, target):
     with pytest.raises(FileNotFoundError, match="drafter path"):
         load_drafter(str(tmp_path / "nowhere"), target)

@@ -96,6 +96,18 @@ def _optional_float(where: str, name: str, value: Any) -> Optional[float]:
     return None if value is None else _positive_float(where, name, value)
 
 
+def _head_dim(where: str, raw: Dict[str, Any], heads: int) -> int:
+    # Qwen3 configs name it; a config without it means hidden_size / heads.
+    if raw.get("head_dim") is None:
+        hidden = _int(where, raw, "hidden_size")
+        if hidden % heads:
+            raise _field(
+                where, "hidden_size", hidden, f"does not divide into {heads} heads"
+            )
+        return hidden // heads
+    return _int(where, raw, "head_dim")
+
+
 def _architecture(where: str, raw: Dict[str, Any]) -> None:
     names = raw.get("architectures")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -202,7 +214,7 @@ def parse_config(raw: Any, where: str = "drafter config.json") -> DFlashConfig:
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=_int(where, raw, "head_dim"),
+        head_dim=_head_dim(where, raw, heads),
         intermediate_size=_int(where, raw, "intermediate_size"),
         vocab_size=vocab,
         rms_norm_eps=eps,

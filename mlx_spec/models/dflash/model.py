@@ -28,7 +28,7 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...errors import InputError
+from ...errors import InputError, one_line
 from ...mlx_lm_compat import initialize_rope
 from .config import DFlashConfig, TargetDims
 from .context_cache import ContextCache
@@ -63,7 +63,7 @@ def make_rope(config: DFlashConfig) -> nn.Module:
     except (KeyError, ValueError, TypeError) as e:
         raise InputError(
             f"drafter config.json: rope_parameters={config.rope_scaling!r} cannot "
-            f"be used ({type(e).__name__}: {e})"
+            f"be used ({one_line(e)})"
         ) from None
 
 
