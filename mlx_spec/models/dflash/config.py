@@ -186,11 +186,9 @@ def parse_config(raw: Any, where: str = "drafter config.json") -> DFlashConfig:
     vocab = _int(where, raw, "vocab_size")
     theta, scaling = _rope(where, raw)
     layer_types = _layer_types(where, raw, layers)
-    window = raw.get("sliding_window")
+    window = None  # without a sliding layer the field is unused (often a placeholder)
     if "sliding_attention" in layer_types:
         window = _int(where, raw, "sliding_window", minimum=2)
-    else:
-        window = None  # unused: a config may carry a placeholder
     causal = raw.get("is_causal")
     if causal is not None and not isinstance(causal, bool):
         raise _field(where, "is_causal", causal, "is not true, false or null")
