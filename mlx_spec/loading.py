@@ -120,3 +120,14 @@ def load_drafter(
     """
     path = resolve_drafter(path_or_hf_repo, revision)
     return load_dflash(path, target_model, quantize_bits=quantize)
+
+
+def use_draft_model(target_model, draft_model, quantize: Optional[int] = None):
+    """Make ``draft_model`` the drafter ``draft="dflash"`` uses with
+    ``target_model``: a path or repo id (loaded with :func:`load_drafter`)
+    or a drafter :func:`load_drafter` returned for this target. Returns it."""
+    from .drafters.dflash import attach_draft_model
+
+    if isinstance(draft_model, (str, Path)):
+        draft_model = load_drafter(draft_model, target_model, quantize=quantize)
+    return attach_draft_model(target_model, draft_model)

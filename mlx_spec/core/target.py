@@ -1,4 +1,5 @@
-"""The target model seen by the decode loop: logits and post-norm hidden states."""
+"""The target model seen by the decode loop: logits and the hidden states
+its drafter reads (post-norm, or what a drafter's tap recorded)."""
 
 from typing import Callable, List, Optional, Tuple
 
@@ -30,6 +31,18 @@ def _lm_head(model) -> Optional[Callable[[mx.array], mx.array]]:
     return None
 
 
+def feature_tap(model):
+    """What a drafter attached to ``model`` to read instead of the post-norm
+    state (``model.feature_tap``: an object whose ``take()`` hands over what
+    the model's layers recorded since the last take, ``[B, T, F]``), or None.
+
+    A drafter that reads other layers' outputs attaches one when it is made;
+    the target then hands it those, taken right after each forward is built,
+    so that they follow the forward they belong to even when the engine
+    queues the next pass first, and nothing recorded is held past a pass."""
+    return getattr(model, "__dict__", {}).get("feature_tap")
+
+
 def queue_after(token: mx.array, logprobs: mx.array, start_forward: Callable):
     """Start evaluating a plain pass's ``token`` (and its ``logprobs``), then
     the forward ``start_forward()`` builds over it; that forward's outputs.
@@ -48,7 +61,9 @@ class Target:
     """Runs the target over token blocks on a :class:`SpeculativeCache`.
 
     ``forward`` returns hidden states (the tensor that feeds ``lm_head``) when
-    the model type allows the split, else ``None`` for them.
+    the model type allows the split, else ``None`` for them; when the model
+    carries a :func:`feature_tap`, the recorded features instead (the
+    logits are the same either way).
     """
 
     def __init__(self, model, cache: SpeculativeCache):
@@ -60,10 +75,22 @@ class Target:
 
     def hidden(self, tokens: mx.array) -> Optional[mx.array]:
         """Advance the caches over ``tokens`` [T]; hidden: [T, H] (lazy) or None."""
+        tap = self._begin()
         if self.head is None:
             self.model(tokens[None], cache=self.cache.caches)
-            return None
-        return self.model.model(tokens[None], cache=self.cache.caches)[0]
+            hidden = None
+        else:
+            hidden = self.model.model(tokens[None], cache=self.cache.caches)
+        hidden = hidden if tap is None else tap.take()
+        return None if hidden is None else hidden[0]
+
+    def _begin(self):
+        """The model's feature tap, emptied of anything a forward outside
+        the decoder left on it (so a take holds this forward only)."""
+        tap = feature_tap(self.model)
+        if tap is not None:
+            tap.take()
+        return tap
 
     def forward(self, tokens: mx.array) -> Tuple[mx.array, Optional[mx.array]]:
         """tokens: [T] -> (logits [T, V], hidden [T, H] or None)."""
@@ -76,11 +103,15 @@ class Target:
         """tokens: [B, T] -> (logits [B, T, V], hidden [B, T, H] or None);
         ``rows``: the head runs at the positions holding tokens only (zero
         logits at a ragged pass's padding)."""
+        tap = self._begin()
         if self.head is None:
-            return self.model(tokens, cache=self.cache.caches), None
-        hidden = self.model.model(tokens, cache=self.cache.caches)
-        logits = self.head(hidden) if rows is None else rows.apply(self.head, hidden)
-        return logits, hidden
+            logits, hidden = self.model(tokens, cache=self.cache.caches), None
+        else:
+            hidden = self.model.model(tokens, cache=self.cache.caches)
+            logits = (
+                self.head(hidden) if rows is None else rows.apply(self.head, hidden)
+            )
+        return logits, (hidden if tap is None else tap.take())
 
     def prefill(
         self,

@@ -4,8 +4,9 @@ A drafter implements the core contract of :mod:`.contract` (``reset``,
 ``propose``, ``accept``; or, as a user's simple object, ``reset``,
 ``draft(k) -> list[int]`` and ``accept``) and is made available by name with
 :func:`register`; nothing in ``core/`` names a drafter (docs/drafters.md).
-The built-in ones: ``ngram`` (:mod:`.ngram`), ``mtp`` (:mod:`.mtp`) and
-``mtp+ngram`` (:mod:`.combined`); ``none`` is plain decoding.
+The built-in ones: ``ngram`` (:mod:`.ngram`), ``mtp`` (:mod:`.mtp`),
+``mtp+ngram`` (:mod:`.combined`) and ``dflash`` (:mod:`.dflash`, with a
+drafter model attached to the target); ``none`` is plain decoding.
 """
 
 from dataclasses import dataclass
@@ -91,12 +92,23 @@ def make_drafter(draft: str, model=None, max_ngram: int = 3) -> Optional[Drafter
     return as_drafter(drafter)
 
 
+def _no_tap(model, draft: str):
+    # A model whose layers feed a DFlash drafter hands every drafter those
+    # features as its hidden states; the head reads the post-norm state.
+    if getattr(model, "__dict__", {}).get("feature_tap") is not None:
+        raise ValueError(
+            f"draft {draft!r} reads the post-norm hidden state, and this "
+            "model's layers feed a DFlash drafter; use one of them per model"
+        )
+
+
 def _head_drafter(model, options: DrafterOptions):
     # The head comes from mlx_spec.load (model.mtp_head); the error for a
     # model without one says which command writes it.
     from ..models.mtp import mtp_head_of
     from .mtp import MTPDrafter
 
+    _no_tap(model, "mtp")
     return MTPDrafter(mtp_head_of(model))
 
 
@@ -104,9 +116,20 @@ def _head_and_copies(model, options: DrafterOptions):
     from ..models.mtp import mtp_head_of
     from .combined import MTPNgramDrafter
 
+    _no_tap(model, "mtp+ngram")
     return MTPNgramDrafter(mtp_head_of(model), max_ngram=options.max_ngram)
 
 
 register("ngram", lambda model, options: NgramDrafter(max_ngram=options.max_ngram))
 register("mtp", _head_drafter, MAX_MTP_DRAFT_TOKENS)
 register("mtp+ngram", _head_and_copies, MAX_MTP_DRAFT_TOKENS)
+
+
+def _block_drafter(model, options: DrafterOptions):
+    from .dflash import make_dflash_drafter
+
+    return make_dflash_drafter(model, options)
+
+
+# A block of 16 (every release) drafts at most 15; a smaller block, fewer.
+register("dflash", _block_drafter, MAX_DRAFT_TOKENS - 1)

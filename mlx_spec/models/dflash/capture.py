@@ -73,6 +73,9 @@ def attach_tap(model, layer_ids: Sequence[int]) -> FeatureTap:
         layer.__class__ = _tapped_class(type(layer))
         layer._feature_tap = tap
         layer._feature_slot = slot
+    # Where the decoder's target looks for it (core.target.feature_tap): a
+    # plain attribute, outside the module tree, so never a parameter.
+    object.__setattr__(model, "feature_tap", tap)
     return tap
 
 
@@ -84,6 +87,7 @@ def detach_tap(model) -> None:
         if cls is not None:
             layer.__class__ = cls
             del layer._feature_tap, layer._feature_slot
+    model.__dict__.pop("feature_tap", None)
 
 
 def tap_of(model) -> Optional[FeatureTap]:
