@@ -1,0 +1,221 @@
+"""The dflash drafter in the decode loop: greedy output equal to mlx-lm's on
+every hybrid family, alone (fixed and auto draft lengths) and batched beside
+other drafters' rows; drafts accepted and rejected with the context following
+the committed positions; the tap emptied after every forward."""
+
+import gc
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+import mlx_spec
+from mlx_spec import DecodeOptions, Session, SpecStats
+from mlx_spec.core import target as core_target
+from mlx_spec.core.batch import BatchDecoder, RowOptions
+from mlx_spec.drafters import make_drafter
+from mlx_spec.drafters.contract import Proposal
+from mlx_spec.drafters.dflash import DFlashDrafter, draft_model_of
+from mlx_spec.errors import InputError
+from mlx_spec.models.dflash.capture import detach_tap, tap_of
+from mlx_spec.testing.checkpoints import write_tiny_checkpoint
+from mlx_spec.testing.dflash_drafters import write_dflash_checkpoint
+from mlx_spec.testing.reference import (
+    cache_nbytes,
+    fed_decoder,
+    prompts,
+    register_twin,
+    reference_tokens,
+    run_batch,
+    spec_tokens,
+)
+
+HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=HYBRID)
+def setup(request, tmp_path_factory):
+    """(model, tokenizer, drafter directory) of one family: a model of this
+    module's own (the tap it gets stays off the suite's shared models), its
+    mlx-lm twin the reference, no end-of-sequence token."""
+    root = tmp_path_factory.mktemp("dflash_" + request.param)
+    path = write_tiny_checkpoint(root / "target", request.param)
+    model, tok = mlx_spec.load(path)
+    plain, plain_tok = mlx_lm.load(str(path))
+    register_twin(model, plain)
+    tok.eos_token_ids, plain_tok.eos_token_ids = set(), set()
+    drafter_dir = write_dflash_checkpoint(root / "drafter", request.param)
+    yield model, tok, drafter_dir
+    detach_tap(model)
+
+
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_greedy_equals_mlx_lm(setup, k):
+    model, tok, drafter_dir = setup
+    for prompt in (prompts("mixed"), prompts("repetitive", n=9), [7]):
+        want = reference_tokens(model, tok, prompt, MAX_TOKENS)
+        stats = SpecStats()
+        got = spec_tokens(
+            model,
+            tok,
+            prompt,
+            MAX_TOKENS,
+            draft_model=str(drafter_dir),
+            num_draft_tokens=k,
+            stats=stats,
+        )
+        assert got == want, (prompt, k)
+    if k != "auto":  # auto may find no draft paying on a random drafter
+        assert stats.drafted > 0
+
+
+class AgreeingDrafter(DFlashDrafter):
+    """Runs the real block forward over its context, then swaps in the
+    target's own continuation with every third draft position wrong: drafts
+    are accepted, partly, and the target rolls back past the wrong ones.
+    Records (context positions, committed positions before the pending
+    token) at every draft."""
+
+    def __init__(self, draft_model, continuation):
+        super().__init__(draft_model)
+        self.continuation = list(continuation)
+        self.seen = []  # (context length, positions committed before pending)
+
+    def reset(self, prompt, hidden):
+        super().reset(prompt, hidden)
+        self.committed = len(prompt) - 1
+        self.prompt_length = len(prompt)
+
+    def accept(self, tokens, hidden):
+        super().accept(tokens, hidden)
+        self.committed += len(tokens)
+
+    def propose(self, k):
+        real = super().propose(k)
+        self.seen.append((self.context_length, self.committed))
+        if not len(real):
+            return real
+        start = self.committed + 1 - self.prompt_length  # emitted so far
+        own = self.continuation[start : start + len(real)]
+        tokens = [
+            t if (start + i) % 3 != 2 else (t + 1) % 256 for i, t in enumerate(own)
+        ]
+        # keep the real draft in the graph: its forward runs with the pass
+        lazy = mx.array(tokens, mx.uint32) + 0 * real.tokens[: len(tokens)]
+        return Proposal(lazy, None, real.site)
+
+
+def test_accepted_drafts_roll_back_exactly_and_the_context_follows(setup):
+    model, tok, drafter_dir = setup
+    prompt = prompts("mixed", seed=3)
+    want = reference_tokens(model, tok, prompt, MAX_TOKENS)
+    mlx_spec.loading.use_draft_model(model, str(drafter_dir))
+    make_drafter("dflash", model)  # the tap on the drafter's layers
+    drafter = AgreeingDrafter(draft_model_of(model), want)
+    stats = SpecStats()
+    session = Session(model, DecodeOptions(drafter, 3), stats=stats)
+    got = [t for t, _, _ in session.generate(prompt, max_tokens=MAX_TOKENS)]
+    assert got == want
+    assert 0 < stats.accepted < stats.drafted, (stats.accepted, stats.drafted)
+    # every committed position, and only those, is in the drafter's context
+    assert drafter.seen and all(c == n for c, n in drafter.seen), drafter.seen
+
+
+def test_rows_of_a_batch_equal_their_decoding_alone(setup):
+    """dflash rows beside n-gram and plain rows in one verify pass: each
+    row's tokens are mlx-lm's for its prompt."""
+    model, tok, drafter_dir = setup
+    mlx_spec.loading.use_draft_model(model, str(drafter_dir))
+    specs = [
+        (prompts("mixed"), 20, 3, "dflash"),
+        (prompts("repetitive", n=9), 14, 2, "ngram"),
+        (prompts("random", n=7, seed=5), 17, 3, "dflash"),
+        ([9], 12, 0, "none"),
+    ]
+    batch = BatchDecoder(model, n_slots=4, max_draft=3)
+    rows, want, decoders = {}, {}, []
+    for prompt, max_tokens, k, kind in specs:
+        ref = reference_tokens(model, tok, prompt, max_tokens)
+        decoder = fed_decoder(model, prompt, make_drafter(kind, model), 3)
+        b = batch.add(decoder, RowOptions(max_tokens, num_draft_tokens=k))
+        rows[b], want[b] = [], ref
+        decoders.append(decoder)
+    run_batch(batch, rows)
+    assert rows == want
+    assert decoders[0].stats.drafted > 0 and decoders[2].stats.drafted > 0
+
+
+def test_the_tap_is_emptied_by_every_forward(setup):
+    """Over a long run the tap holds nothing between passes, and the active
+    memory grows by what the caches hold and little more; the control keeps
+    every recording (a leak) and the same measurement sees it."""
+    model, tok, drafter_dir = setup
+    mlx_spec.loading.use_draft_model(model, str(drafter_dir))
+    kept = []
+
+    def held(max_tokens):
+        """Active memory beyond the caches after a run of ``max_tokens``,
+        and whether the tap held anything between passes."""
+        kept.clear()
+        session = Session(model, DecodeOptions("dflash", 3))
+        left = False
+        for _ in session.generate(prompts("mixed"), max_tokens=max_tokens):
+            left = left or bool(tap_of(model)._outputs[0])
+        gc.collect()  # an earlier session's arrays, freed now
+        caches = cache_nbytes(session.decoder.cache.caches)
+        context = sum(c.nbytes for c in session.decoder.drafter.cache)
+        return mx.get_active_memory() - caches - context, left
+
+    short, left_short = held(64)
+    long, left_long = held(192)
+    assert not left_short and not left_long
+    per_token = (long - short) / 128
+    tap = tap_of(model)
+    real_record = type(tap).record
+
+    def leaking(self, slot, output):
+        kept.append(output)
+        real_record(self, slot, output)
+
+    type(tap).record = leaking
+    try:
+        leak_short, _ = held(64)
+        leak_long, _ = held(192)
+    finally:
+        type(tap).record = real_record
+    leak_per_token = (leak_long - leak_short) / 128
+    # A recording costs the tapped layers' outputs, len(layers) * H floats a
+    # token; everything else a run keeps is in the caches.
+    H = draft_model_of(model).config.hidden_size
+    recorded = 2 * H * 4
+    assert per_token < recorded / 4, (per_token, recorded)
+    assert leak_per_token > recorded / 2, (leak_per_token, recorded)
+
+
+def test_without_a_drafter_model_dflash_is_refused_on_one_line(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "t", "qwen3_5")
+    model = mlx_spec.load(path)[0]
+    with pytest.raises(InputError, match="draft_model") as e:
+        make_drafter("dflash", model)
+    assert "\n" not in str(e.value)
+    with pytest.raises(InputError, match="DFlash drafter"):
+        mlx_spec.loading.use_draft_model(model, object())
+
+
+def test_a_fixed_draft_beyond_the_block_is_refused(setup):
+    model, tok, drafter_dir = setup
+    mlx_spec.loading.use_draft_model(model, str(drafter_dir))
+    with pytest.raises(ValueError, match="1..3 tokens per pass, got 4"):
+        Session(model, DecodeOptions("dflash", 4))
+
+
+def test_the_mtp_head_is_refused_on_a_tapped_model(setup):
+    """The tap hands every drafter its features; the head reads the
+    post-norm state, so it is refused rather than fed the wrong rows."""
+    model, tok, drafter_dir = setup
+    mlx_spec.loading.use_draft_model(model, str(drafter_dir))
+    make_drafter("dflash", model)
+    assert core_target.feature_tap(model) is tap_of(model)
+    with pytest.raises(ValueError, match="feed a DFlash drafter"):
+        make_drafter("mtp", model)
