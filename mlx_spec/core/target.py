@@ -34,7 +34,8 @@ def _lm_head(model) -> Optional[Callable[[mx.array], mx.array]]:
 def feature_tap(model):
     """What a drafter attached to ``model`` to read instead of the post-norm
     state (``model.feature_tap``: an object whose ``take()`` hands over what
-    the model's layers recorded since the last take, ``[B, T, F]``), or None.
+    the model's layers recorded since the last take, ``[B, T, F]``, and
+    whose ``clear()`` forgets it), or None.
 
     A drafter that reads other layers' outputs attaches one when it is made;
     the target then hands it those, taken right after each forward is built,
@@ -89,7 +90,7 @@ class Target:
         the decoder left on it (so a take holds this forward only)."""
         tap = feature_tap(self.model)
         if tap is not None:
-            tap.take()
+            tap.clear()
         return tap
 
     def forward(self, tokens: mx.array) -> Tuple[mx.array, Optional[mx.array]]:
