@@ -56,8 +56,8 @@ def draft_model_of(model) -> DFlashDraftModel:
     draft_model = getattr(model, "__dict__", {}).get(_ATTRIBUTE)
     if draft_model is None:
         raise InputError(
-            "draft 'dflash' needs a drafter model: pass draft_model= "
-            "(a path, a repo id or mlx_spec.load_drafter's result) or "
+            "draft 'dflash' needs a drafter model: draft_model= (a path, a "
+            "repo id or mlx_spec.load_drafter's result), or generate's "
             "--draft-model PATH_OR_REPO"
         )
     return draft_model
