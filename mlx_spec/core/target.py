@@ -34,8 +34,8 @@ def _lm_head(model) -> Optional[Callable[[mx.array], mx.array]]:
 def feature_tap(model):
     """What a drafter attached to ``model`` to read instead of the post-norm
     state (``model.feature_tap``: an object whose ``take()`` hands over what
-    the model's layers recorded since the last take, ``[B, T, F]``, and
-    whose ``clear()`` forgets it), or None.
+    the model's layers recorded since the last take, ``[B, T, width]``,
+    and whose ``clear()`` forgets it), or None.
 
     A drafter that reads other layers' outputs attaches one when it is made;
     the target then hands it those, taken right after each forward is built,

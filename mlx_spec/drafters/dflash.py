@@ -79,7 +79,8 @@ class DFlashDrafter:
     """Drafting with a :class:`~mlx_spec.models.dflash.model.DFlashDraftModel`.
 
     Contracts (:mod:`.contract`): the core :class:`~.contract.Drafter`,
-    :class:`~.contract.SamplesDrafts` and :class:`~.contract.KnowsEmpty`.
+    :class:`~.contract.SamplesDrafts`, :class:`~.contract.KnowsEmpty` and
+    :class:`~.contract.KeepsArrays` (its context caches).
     ``last_draft_logits`` [m, V]: the logits each drafted token came from.
     """
 
@@ -143,6 +144,65 @@ class DFlashDrafter:
                 f"drafter reads {width} (is its tap attached to the target?)"
             )
         self.model.extend(hidden[None], self.cache)
+
+    # -- a kept state: each layer's kept context keys and values ---------------
+    def saved_arrays(self) -> List[mx.array]:
+        """Per layer its kept keys and values, then ``[start of each layer,
+        offset]`` (int32): all a restore needs beside the history."""
+        arrays = []
+        for c in self.cache:
+            keys, values = c.fetch()
+            if keys is None:  # nothing kept: an empty slice of the right rank
+                keys = values = mx.zeros((1, 0, 0, 0), mx.float32)
+            arrays += [keys, values]
+        starts = [c.start for c in self.cache]
+        return arrays + [mx.array(starts + [self.context_length], mx.int32)]
+
+    def check_state(self, arrays, deferred):
+        """``ValueError`` unless ``arrays`` are what :meth:`saved_arrays`
+        of a drafter of this model gives (and nothing is deferred)."""
+        layers = len(self.model.layers)
+        if deferred:
+            raise ValueError("a dflash drafter defers no work, the state has")
+        if len(arrays) != 2 * layers + 1:
+            raise ValueError(
+                f"state holds {len(arrays)} drafter arrays, a dflash drafter "
+                f"of {layers} layers keeps {2 * layers + 1}"
+            )
+        meta = arrays[-1]
+        if meta.ndim != 1 or meta.size != layers + 1:
+            raise ValueError(f"state's context positions have shape {meta.shape}")
+        *starts, offset = meta.tolist()
+        for i, (start, layer) in enumerate(zip(starts, self.model.layers)):
+            keys, values = arrays[2 * i], arrays[2 * i + 1]
+            attn = layer.self_attn
+            kept = offset - start
+            want = (1, attn.n_kv_heads, kept, attn.head_dim)
+            if not 0 <= start <= offset or (
+                kept and (keys.shape != want or values.shape != want)
+            ):
+                raise ValueError(
+                    f"state's context of draft layer {i} has shape {keys.shape}, "
+                    f"positions {start}..{offset}"
+                )
+
+    def restore(self, history: Sequence[int], arrays: Sequence[mx.array]):
+        """Rebuild from :meth:`saved_arrays` (checked) and the history: the
+        context holds every position before the last token's."""
+        *starts, offset = arrays[-1].tolist()
+        if offset != len(history) - 1:
+            raise ValueError(
+                f"state's drafter context holds {offset} positions, its history "
+                f"{len(history)} tokens"
+            )
+        self.cache = self.model.make_cache()
+        for i, (c, start) in enumerate(zip(self.cache, starts)):
+            c.offset = c.start = start
+            if offset > start:  # copied in: the state's arrays stay as they are
+                c.append(arrays[2 * i], arrays[2 * i + 1])
+            c.offset = offset
+        self._pending = int(history[-1])
+        self.last_draft_logits = None
 
     def draft(self, k: int) -> List[int]:
         """Up to ``k`` tokens after the pending token, on the host."""

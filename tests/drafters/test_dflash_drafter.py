@@ -4,6 +4,7 @@ other drafters' rows; drafts accepted and rejected with the context following
 the committed positions; the tap emptied after every forward."""
 
 import gc
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx_lm
@@ -18,6 +19,7 @@ from mlx_spec.drafters.contract import Proposal
 from mlx_spec.drafters.dflash import DFlashDrafter, draft_model_of
 from mlx_spec.errors import InputError
 from mlx_spec.models.dflash.capture import detach_tap, tap_of
+from mlx_spec.states.snapshot import capture, shared
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
 from mlx_spec.testing.dflash_drafters import write_dflash_checkpoint
 from mlx_spec.testing.reference import (
@@ -219,3 +221,38 @@ def test_the_mtp_head_is_refused_on_a_tapped_model(setup):
     assert core_target.feature_tap(model) is tap_of(model)
     with pytest.raises(ValueError, match="feed a DFlash drafter"):
         make_drafter("mtp", model)
+
+
+def block_logits(drafter):
+    """The logits of the drafter's next block, its state unchanged."""
+    block = drafter.model.block(mx.array([drafter._pending], mx.uint32))
+    return drafter.model(block, None, drafter.cache)
+
+
+def test_a_kept_state_is_restored_exactly(setup):
+    """A state captured after a turn (flushed, and with its last token
+    pending), restored into new sessions twice, continues exactly as the
+    session it was taken from; a damaged one is refused before use."""
+    model, tok, drafter_dir = setup
+    mlx_spec.loading.use_draft_model(model, str(drafter_dir))
+    options = DecodeOptions("dflash", 3)
+    first_turn, second_turn = prompts("mixed"), prompts("repetitive", n=7)
+    for flush in (False, True):
+        session = Session(model, options)
+        first = [t for t, _, _ in session.generate(first_turn, max_tokens=12)]
+        state = capture(session.decoder, copy_caches=True, flush=flush)
+        drafts = block_logits(session.decoder.drafter)
+        want = [t for t, _, _ in session.generate(second_turn, max_tokens=12)]
+        assert want == reference_tokens(
+            model, tok, first_turn + first + second_turn, 12
+        )
+        for _ in range(2):
+            again = Session(model, options, state=shared(state))
+            # the same context: the same next block
+            assert mx.allclose(block_logits(again.decoder.drafter), drafts)
+            got = [t for t, _, _ in again.generate(second_turn, max_tokens=12)]
+            assert got == want, flush
+    arrays = list(state.drafter_arrays)
+    arrays[0] = arrays[0][:, :, :-1]
+    with pytest.raises(ValueError, match="draft layer 0"):
+        Session(model, options, state=replace(state, drafter_arrays=arrays))

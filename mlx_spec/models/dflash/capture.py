@@ -38,8 +38,9 @@ def _tapped_class(cls: type) -> type:
 class FeatureTap:
     """What the tapped layers output in the forwards since the last take."""
 
-    def __init__(self, layer_ids: Sequence[int]):
+    def __init__(self, layer_ids: Sequence[int], width: int = 0):
         self.layer_ids = tuple(layer_ids)
+        self.width = width  # features a position: len(layer_ids) * hidden size
         self._outputs: List[List[mx.array]] = [[] for _ in self.layer_ids]
 
     def record(self, slot: int, output: mx.array) -> None:
@@ -67,7 +68,8 @@ def attach_tap(model, layer_ids: Sequence[int]) -> FeatureTap:
     if bad:
         raise ValueError(f"layer {bad[0]} is not one of the {len(layers)} layers")
     detach_tap(model)
-    tap = FeatureTap(layer_ids)
+    hidden = int(text_model(model).args.hidden_size)
+    tap = FeatureTap(layer_ids, len(layer_ids) * hidden)
     for slot, i in enumerate(layer_ids):
         layer = layers[i]
         layer.__class__ = _tapped_class(type(layer))
