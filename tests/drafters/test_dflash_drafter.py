@@ -19,6 +19,8 @@ from mlx_spec.drafters.contract import Proposal
 from mlx_spec.drafters.dflash import DFlashDrafter, draft_model_of
 from mlx_spec.errors import InputError
 from mlx_spec.models.dflash.capture import detach_tap, tap_of
+from mlx_spec.server.engine import Engine
+from mlx_spec.server.events import GenerationParams, Job, Started
 from mlx_spec.states.snapshot import capture, shared
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
 from mlx_spec.testing.dflash_drafters import write_dflash_checkpoint
@@ -30,7 +32,9 @@ from mlx_spec.testing.reference import (
     reference_tokens,
     run_batch,
     spec_tokens,
+    tokens_of,
 )
+from mlx_spec.testing.server import job_events
 
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 MAX_TOKENS = 24
@@ -256,3 +260,34 @@ def test_a_kept_state_is_restored_exactly(setup):
     arrays[0] = arrays[0][:, :, :-1]
     with pytest.raises(ValueError, match="draft layer 0"):
         Session(model, options, state=replace(state, drafter_arrays=arrays))
+
+
+def test_server_rows_share_passes_and_each_equals_mlx_lm(setup):
+    """Through the server's engine: dflash requests beside an n-gram one,
+    all waiting, join the same passes; each gets mlx-lm's tokens, and a
+    second turn continues a kept dflash state exactly."""
+    model, tok, drafter_dir = setup
+    mlx_spec.loading.use_draft_model(model, str(drafter_dir))
+    engine = Engine(model, tok, "dflash", num_draft_tokens=3, batch_size=3, start=False)
+    try:
+        specs = [
+            (prompts("mixed"), 12, None),
+            (prompts("repetitive"), 16, "ngram"),
+            (prompts("random", n=9, seed=4), 10, "dflash"),
+        ]
+        jobs = [
+            engine.submit(Job(p, GenerationParams(n, draft=d))) for p, n, d in specs
+        ]
+        engine.start()
+        replies = []
+        for job, (prompt, n, _) in zip(jobs, specs):
+            replies.append(tokens_of(job_events(job)))
+            assert replies[-1] == reference_tokens(model, tok, prompt, n)
+        assert engine.peak_decoding == 3
+        second = specs[0][0] + replies[0] + [5, 6, 7]
+        events = job_events(engine.submit(Job(second, GenerationParams(9))))
+        started = next(e for e in events if isinstance(e, Started))
+        assert started.cached_tokens == len(second) - 4  # the kept state
+        assert tokens_of(events) == reference_tokens(model, tok, second, 9)
+    finally:
+        engine.close()
