@@ -40,7 +40,7 @@ def add_draft_options(parser: argparse.ArgumentParser):
         default=None,
         help="Drafter: 'mtp' the model's own multi-token-prediction head, "
         "'ngram' a lookup of the context for a continuation, 'mtp+ngram' both, "
-        "'dflash' a block drafter (generate, with --draft-model), "
+        "'dflash' a block drafter (with --draft-model), "
         "'none' plain decoding (default: mtp+ngram when the model has an MTP "
         "head, else ngram).",
     )
@@ -109,6 +109,9 @@ def attach_draft_model(args, model) -> "str | None":
         raise CommandError(
             f"--draft-model is read by --draft dflash, not --draft {args.draft}"
         )
+    if getattr(args, "pipeline", False):
+        # Each rank holds some of the layers; the drafter reads layers of all.
+        raise CommandError("--draft-model is not supported with --pipeline yet")
     with bad_input(ValueError, FileNotFoundError):
         use_draft_model(model, args.draft_model, quantize=args.draft_quantize)
     return "dflash"

@@ -1,6 +1,8 @@
 """``mlx_spec generate --draft-model``: a DFlash drafter from a directory,
 the same text as plain decoding, and each wrong use refused on one line."""
 
+import io
+
 import pytest
 
 from mlx_spec.commands.cli import main
@@ -78,3 +80,33 @@ def test_a_drafter_that_does_not_fit_is_named(
     status, _, err = generate(checkpoint_dirs[FAMILY], extra, monkeypatch, capsys)
     assert status == 2
     assert_one_line(err, "generate", "mask_token_id is missing")
+
+
+def test_chat_with_a_drafter_replies_as_without(
+    checkpoint_dirs, drafter_dir, monkeypatch, capsys
+):
+    from mlx_spec.commands.chat import main as chat_main
+
+    lines = ["def main():", "and then?"]
+
+    def replies(*extra):
+        monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{x}\n" for x in lines)))
+        argv = ["--model", str(checkpoint_dirs[FAMILY]), "--max-tokens", "8"]
+        status = chat_main(argv + ["--temp", "0", *extra])
+        out, err = capsys.readouterr()
+        assert status == 0, err
+        return [part.rstrip("\n") for part in out.split(">> ")[1:]]
+
+    plain = replies("--draft", "none")
+    assert len(plain) >= 2 and any(r.strip() for r in plain)
+    assert replies("--draft-model", str(drafter_dir)) == plain
+
+
+@pytest.mark.parametrize("prog", ["chat", "server"])
+def test_chat_and_server_refuse_dflash_without_a_drafter(
+    checkpoint_dirs, prog, monkeypatch, capsys
+):
+    argv = [prog, "--model", str(checkpoint_dirs[FAMILY]), "--draft", "dflash"]
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(argv) == 2
+    assert_one_line(capsys.readouterr()[1], prog, "--draft dflash needs --draft-model")
