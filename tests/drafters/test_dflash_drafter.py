@@ -1,5 +1,5 @@
 """The dflash drafter in the decode loop: greedy output equal to mlx-lm's on
-every hybrid family, alone (fixed and auto draft lengths) and batched beside
+every hybrid family and an attention-only target, alone (fixed and auto draft lengths) and batched beside
 other drafters' rows; drafts accepted and rejected with the context following
 the committed positions; the tap emptied after every forward."""
 
@@ -22,6 +22,7 @@ from mlx_spec.models.dflash.capture import detach_tap, tap_of
 from mlx_spec.server.engine import Engine
 from mlx_spec.server.events import GenerationParams, Job, Started
 from mlx_spec.states.snapshot import capture, shared
+from mlx_spec.testing.attention_only import write_llama_checkpoint
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
 from mlx_spec.testing.dflash_drafters import write_dflash_checkpoint
 from mlx_spec.testing.reference import (
@@ -36,17 +37,21 @@ from mlx_spec.testing.reference import (
 )
 from mlx_spec.testing.server import job_events
 
-HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# the three hybrid families, and an attention-only target
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "llama")
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=HYBRID)
+@pytest.fixture(scope="module", params=FAMILIES)
 def setup(request, tmp_path_factory):
     """(model, tokenizer, drafter directory) of one family: a model of this
     module's own (the tap it gets stays off the suite's shared models), its
     mlx-lm twin the reference, no end-of-sequence token."""
     root = tmp_path_factory.mktemp("dflash_" + request.param)
-    path = write_tiny_checkpoint(root / "target", request.param)
+    if request.param == "llama":
+        path = write_llama_checkpoint(root / "target")
+    else:
+        path = write_tiny_checkpoint(root / "target", request.param)
     model, tok = mlx_spec.load(path)
     plain, plain_tok = mlx_lm.load(str(path))
     register_twin(model, plain)
