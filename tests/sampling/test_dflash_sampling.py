@@ -30,6 +30,7 @@ from mlx_spec.testing.distributions import (
     FILTERED_CONTROL_RUNS,
     FILTERED_RUNS,
     FILTERED_SAMPLERS,
+    batch_first_tokens,
     exact_first_tokens,
     rejects,
     sample_pvalues,
@@ -154,3 +155,21 @@ def test_a_q_before_the_processing_is_caught(model, monkeypatch):
     monkeypatch.setattr(DFlashDrafter, "propose", raw_q)
     settings = FILTERED_SAMPLERS["top_p"]
     assert rejects(lambda: pvalues(model, settings, None, FILTERED_RUNS))
+
+
+@pytest.mark.slow
+def test_batched_dflash_rows_follow_plain_sampling(model):
+    """A dflash row per sampler beside an n-gram row of the same prompt and
+    sampler, four rows in one batch, each row's own distribution."""
+    rows, exact = [], []
+    for settings in FILTERED_SAMPLERS.values():
+        sampler = Sampler(**settings)
+        prompt = dflash_prompt(model, sampler)
+        exact.append(exact_first_tokens(model, prompt, sampler))
+        rows += [(prompt, sampler, NEAR), (prompt, sampler, "ngram")]
+    runs, counts = batch_first_tokens(model, rows, FILTERED_RUNS)
+    for i, (run, (drafted, accepted)) in enumerate(zip(runs, counts)):
+        p_pairs, p_third = sample_pvalues(*exact[i // 2], run)
+        assert min(p_pairs, p_third) > 1e-3, (rows[i][2], p_pairs, p_third)
+        if rows[i][2] == NEAR:
+            assert 0 < accepted < drafted, (accepted, drafted)
