@@ -34,8 +34,8 @@ def _lm_head(model) -> Optional[Callable[[mx.array], mx.array]]:
 def feature_tap(model):
     """What a drafter attached to ``model`` to read instead of the post-norm
     state (``model.feature_tap``: an object whose ``take()`` hands over what
-    the model's layers recorded since the last take, ``[B, T, width]``,
-    and whose ``clear()`` forgets it), or None.
+    the model's layers recorded since ``begin()``, ``[B, T, width]``; and
+    ``begin()`` forgets anything recorded before), or None.
 
     A drafter that reads other layers' outputs attaches one when it is made;
     the target then hands it those, taken right after each forward is built,
@@ -86,11 +86,11 @@ class Target:
         return None if hidden is None else hidden[0]
 
     def _begin(self):
-        """The model's feature tap, emptied of anything a forward outside
-        the decoder left on it (so a take holds this forward only)."""
+        """The model's feature tap, recording this forward alone (nothing a
+        forward outside the decoder may have left on it)."""
         tap = feature_tap(self.model)
         if tap is not None:
-            tap.clear()
+            tap.begin()
         return tap
 
     def forward(self, tokens: mx.array) -> Tuple[mx.array, Optional[mx.array]]:

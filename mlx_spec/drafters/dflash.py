@@ -70,8 +70,9 @@ def make_dflash_drafter(model, options=None) -> "DFlashDrafter":
     draft_model = draft_model_of(model)
     layer_ids = tuple(draft_model.config.target_layer_ids)
     tap = tap_of(model)
-    if tap is None or tap.layer_ids != layer_ids:
-        attach_tap(model, layer_ids)
+    if tap is None or tap.layer_ids != layer_ids or not tap.on_demand:
+        # on demand: the decoder's forwards alone are recorded
+        attach_tap(model, layer_ids, on_demand=True)
     return DFlashDrafter(draft_model)
 
 

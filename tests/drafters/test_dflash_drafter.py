@@ -160,7 +160,8 @@ def test_rows_of_a_batch_equal_their_decoding_alone(setup):
 def test_the_tap_is_emptied_by_every_forward(setup):
     """Over a long run the tap holds nothing between passes, and the active
     memory grows by what the caches hold and little more; the control keeps
-    every recording (a leak) and the same measurement sees it."""
+    every recording (a leak) and the same measurement sees it. Forwards
+    outside the decoder record nothing."""
     model, tok, drafter_dir = setup
     mlx_spec.loading.use_draft_model(model, str(drafter_dir))
     kept = []
@@ -181,6 +182,10 @@ def test_the_tap_is_emptied_by_every_forward(setup):
     short, left_short = held(64)
     long, left_long = held(192)
     assert not left_short and not left_long
+    # a forward outside the decoder (mlx-lm's own loop) records nothing
+    spec_tokens(model, tok, prompts("mixed"), 8, draft="none")
+    model(mx.array([[1, 2, 3]]))
+    assert not tap_of(model)._outputs[0]
     per_token = (long - short) / 128
     tap = tap_of(model)
     real_record = type(tap).record

@@ -38,19 +38,33 @@ def _tapped_class(cls: type) -> type:
 class FeatureTap:
     """What the tapped layers output in the forwards since the last take."""
 
-    def __init__(self, layer_ids: Sequence[int], width: int = 0):
+    def __init__(
+        self, layer_ids: Sequence[int], width: int = 0, on_demand: bool = False
+    ):
         self.layer_ids = tuple(layer_ids)
         self.width = width  # features a position: len(layer_ids) * hidden size
+        # On demand: only forwards between begin() and take() are recorded,
+        # so a forward no one takes (mlx-lm's own loop on the same model, a
+        # reference run) leaves nothing behind to grow.
+        self.on_demand = on_demand
+        self.recording = not on_demand
         self._outputs: List[List[mx.array]] = [[] for _ in self.layer_ids]
 
     def record(self, slot: int, output: mx.array) -> None:
-        self._outputs[slot].append(output)
+        if self.recording:
+            self._outputs[slot].append(output)
+
+    def begin(self) -> None:
+        """Forget anything recorded and record the next forward."""
+        self.clear()
+        self.recording = True
 
     def take(self) -> Optional[mx.array]:
         """The recorded outputs [B, T, n * H] (lazy; T: every position of the
         forwards since the last take, in order), forgotten here; None when
         no forward ran."""
         outputs, self._outputs = self._outputs, [[] for _ in self.layer_ids]
+        self.recording = not self.on_demand
         if not outputs[0]:
             return None
         per_layer = [mx.concatenate(parts, axis=1) for parts in outputs]
@@ -60,16 +74,17 @@ class FeatureTap:
         self._outputs = [[] for _ in self.layer_ids]
 
 
-def attach_tap(model, layer_ids: Sequence[int]) -> FeatureTap:
+def attach_tap(model, layer_ids: Sequence[int], on_demand: bool = False) -> FeatureTap:
     """Record the outputs of ``model``'s decoder layers ``layer_ids`` (in
-    place; one tap per model: a second call replaces the first)."""
+    place; one tap per model: a second call replaces the first);
+    ``on_demand``: only between ``begin()`` and ``take()``."""
     layers = text_model(model).model.layers
     bad = [i for i in layer_ids if not 0 <= i < len(layers)]
     if bad:
         raise ValueError(f"layer {bad[0]} is not one of the {len(layers)} layers")
     detach_tap(model)
     hidden = int(text_model(model).args.hidden_size)
-    tap = FeatureTap(layer_ids, len(layer_ids) * hidden)
+    tap = FeatureTap(layer_ids, len(layer_ids) * hidden, on_demand)
     for slot, i in enumerate(layer_ids):
         layer = layers[i]
         layer.__class__ = _tapped_class(type(layer))
