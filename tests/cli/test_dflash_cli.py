@@ -110,3 +110,32 @@ def test_chat_and_server_refuse_dflash_without_a_drafter(
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     assert main(argv) == 2
     assert_one_line(capsys.readouterr()[1], prog, "--draft dflash needs --draft-model")
+
+
+def test_bench_runs_dflash_beside_ngram_and_refuses_a_wrong_use(
+    checkpoint_dirs, drafter_dir, tmp_path, capsys
+):
+    import json
+
+    import mlx_spec.commands.bench as bench
+
+    workloads = tmp_path / "w.jsonl"
+    row = {"name": "rep", "kind": "copy", "prompt": "a = 1\n" * 6, "max_tokens": 10}
+    workloads.write_text(json.dumps(row) + "\n")
+    argv = ["--model", str(checkpoint_dirs[FAMILY]), "--workloads-file", str(workloads)]
+    argv += ["--repeats", "1", "--num-draft-tokens", "3", "--json", str(tmp_path / "b")]
+    rc = bench.main(
+        argv + ["--draft", "dflash", "ngram", "--draft-model", str(drafter_dir)]
+    )
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    results = json.loads((tmp_path / "b").read_text())["results"]
+    assert [r["draft"] for r in results] == ["dflash", "ngram"]
+    assert all(r["first_token_differing_from_plain"] is None for r in results)
+    assert bench.main(argv + ["--draft", "dflash"]) == 2
+    assert_one_line(
+        capsys.readouterr()[1], "bench", "--draft dflash needs --draft-model"
+    )
+    rc = bench.main(argv + ["--draft", "ngram", "--draft-model", str(drafter_dir)])
+    assert rc == 2
+    assert_one_line(capsys.readouterr()[1], "bench", "read by --draft dflash")
