@@ -92,23 +92,12 @@ def make_drafter(draft: str, model=None, max_ngram: int = 3) -> Optional[Drafter
     return as_drafter(drafter)
 
 
-def _no_tap(model, draft: str):
-    # A model whose layers feed a DFlash drafter hands every drafter those
-    # features as its hidden states; the head reads the post-norm state.
-    if getattr(model, "__dict__", {}).get("feature_tap") is not None:
-        raise ValueError(
-            f"draft {draft!r} reads the post-norm hidden state, and this "
-            "model's layers feed a DFlash drafter; use one of them per model"
-        )
-
-
 def _head_drafter(model, options: DrafterOptions):
     # The head comes from mlx_spec.load (model.mtp_head); the error for a
     # model without one says which command writes it.
     from ..models.mtp import mtp_head_of
     from .mtp import MTPDrafter
 
-    _no_tap(model, "mtp")
     return MTPDrafter(mtp_head_of(model))
 
 
@@ -116,7 +105,6 @@ def _head_and_copies(model, options: DrafterOptions):
     from ..models.mtp import mtp_head_of
     from .combined import MTPNgramDrafter
 
-    _no_tap(model, "mtp+ngram")
     return MTPNgramDrafter(mtp_head_of(model), max_ngram=options.max_ngram)
 
 

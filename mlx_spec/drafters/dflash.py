@@ -1,10 +1,11 @@
 """DFlash block drafting: a small drafter proposes a whole block in one forward.
 
 The drafter model (``models.dflash``) reads, for every committed position,
-the target's outputs at a few chosen layers. Its factory attaches a tap to
-those layers (``models.dflash.capture``), and the target hands each
-forward's recording over as the drafter's ``hidden`` (``core.target``), so
-that the features follow the contract's rows:
+the target's outputs at a few chosen layers. Attaching it to a target
+attaches a tap to those layers (``models.dflash.capture``); the target hands
+each forward's recording over beside the post-norm state, and the sequence
+gives this drafter the recording as its ``hidden`` (``core.target.rows_for``:
+it ``reads_features``), so that the features follow the contract's rows:
 
 - ``reset(prompt, hidden)``: rows for ``prompt[:-1]``; all become context.
 - ``accept(tokens, hidden)``: rows for the pass's inputs that produced
@@ -48,7 +49,19 @@ def attach_draft_model(model, draft_model: DFlashDraftModel) -> DFlashDraftModel
     if draft_model.target is not model:
         raise InputError("draft_model was loaded for another target model")
     object.__setattr__(model, _ATTRIBUTE, draft_model)
+    _tap(model, draft_model)
     return draft_model
+
+
+def _tap(model, draft_model: DFlashDraftModel):
+    """The tap on the layers ``draft_model`` reads, on demand (the decoder's
+    forwards alone are recorded). Attached with the drafter model, before
+    any session of the model, so that every hidden row the target hands
+    over, to any drafter, has the same width."""
+    layer_ids = tuple(draft_model.config.target_layer_ids)
+    tap = tap_of(model)
+    if tap is None or tap.layer_ids != layer_ids or not tap.on_demand:
+        attach_tap(model, layer_ids, on_demand=True)
 
 
 def draft_model_of(model) -> DFlashDraftModel:
@@ -64,15 +77,11 @@ def draft_model_of(model) -> DFlashDraftModel:
 
 
 def make_dflash_drafter(model, options=None) -> "DFlashDrafter":
-    """The registered factory: the drafter model attached to ``model``, and
-    a tap on the target layers it reads (one per model, shared by every
-    DFlash row; the target takes what it records after every forward)."""
+    """The registered factory: the drafter model attached to ``model`` (its
+    tap on the target layers it reads is one per model, shared by every
+    dflash row; the target takes what it records after every forward)."""
     draft_model = draft_model_of(model)
-    layer_ids = tuple(draft_model.config.target_layer_ids)
-    tap = tap_of(model)
-    if tap is None or tap.layer_ids != layer_ids or not tap.on_demand:
-        # on demand: the decoder's forwards alone are recorded
-        attach_tap(model, layer_ids, on_demand=True)
+    _tap(model, draft_model)  # detached since, or replaced: as attached
     return DFlashDrafter(draft_model)
 
 
@@ -80,13 +89,15 @@ class DFlashDrafter:
     """Drafting with a :class:`~mlx_spec.models.dflash.model.DFlashDraftModel`.
 
     Contracts (:mod:`.contract`): the core :class:`~.contract.Drafter`,
-    :class:`~.contract.SamplesDrafts`, :class:`~.contract.KnowsEmpty` and
-    :class:`~.contract.KeepsArrays` (its context caches).
+    :class:`~.contract.SamplesDrafts`, :class:`~.contract.KnowsEmpty`,
+    :class:`~.contract.KeepsArrays` (its context caches) and
+    :class:`~.contract.ReadsFeatures`.
     ``last_draft_logits`` [m, V]: the logits each drafted token came from.
     """
 
     name = "dflash"
     needs_hidden = True
+    reads_features = True  # the tap's features, not the post-norm state
 
     def __init__(self, draft_model: DFlashDraftModel):
         self.model = draft_model

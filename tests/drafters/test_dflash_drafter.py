@@ -24,6 +24,7 @@ from mlx_spec.server.events import GenerationParams, Job, Started
 from mlx_spec.states.snapshot import capture, shared
 from mlx_spec.testing.attention_only import write_llama_checkpoint
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
+from mlx_spec.testing.mtp_heads import write_predictive_checkpoint
 from mlx_spec.testing.dflash_drafters import write_dflash_checkpoint
 from mlx_spec.testing.reference import (
     cache_nbytes,
@@ -226,15 +227,64 @@ def test_a_fixed_draft_beyond_the_block_is_refused(setup):
         Session(model, DecodeOptions("dflash", 4))
 
 
-def test_the_mtp_head_is_refused_on_a_tapped_model(setup):
-    """The tap hands every drafter its features; the head reads the
-    post-norm state, so it is refused rather than fed the wrong rows."""
-    model, tok, drafter_dir = setup
+@pytest.fixture(scope="module")
+def head_and_drafter(tmp_path_factory):
+    """A qwen3_next whose MTP head predicts it well, with a dflash drafter
+    attached too: (model, tokenizer, the same checkpoint without a
+    drafter)."""
+    root = tmp_path_factory.mktemp("dflash_beside_mtp")
+    path = write_predictive_checkpoint(root / "target", "qwen3_next")
+    model, tok = mlx_spec.load(path)
+    register_twin(model, mlx_lm.load(str(path))[0])
+    tok.eos_token_ids = set()
+    drafter_dir = write_dflash_checkpoint(root / "drafter", "qwen3_next")
     mlx_spec.loading.use_draft_model(model, str(drafter_dir))
-    make_drafter("dflash", model)
+    alone, alone_tok = mlx_spec.load(path)
+    alone_tok.eos_token_ids = set()
+    yield model, tok, (alone, alone_tok)
+    detach_tap(model)
+
+
+def test_the_head_and_dflash_share_a_model(head_and_drafter):
+    """With the tap attached, the target hands the post-norm state and the
+    tap's features side by side; the head reads the one, dflash the other.
+    Alone and as rows of one batch, each is mlx-lm's, and the head accepts
+    exactly the drafts it accepts on a model without a drafter (it reads
+    the same rows)."""
+    model, tok, (alone, alone_tok) = head_and_drafter
     assert core_target.feature_tap(model) is tap_of(model)
-    with pytest.raises(ValueError, match="feed a DFlash drafter"):
-        make_drafter("mtp", model)
+    prompt = prompts("mixed")
+    want = reference_tokens(model, tok, prompt, MAX_TOKENS)
+    for draft in ("mtp", "mtp+ngram", "dflash"):
+        stats = SpecStats()
+        got = spec_tokens(
+            model, tok, prompt, MAX_TOKENS, draft=draft, num_draft_tokens=3, stats=stats
+        )
+        assert got == want, draft
+        if draft.startswith("mtp"):
+            untapped = SpecStats()
+            spec_tokens(
+                alone,
+                alone_tok,
+                prompt,
+                MAX_TOKENS,
+                draft=draft,
+                num_draft_tokens=3,
+                stats=untapped,
+            )
+            assert stats.accepted > 0
+            assert stats.accepted_at == untapped.accepted_at, draft
+    specs = [(prompt, "mtp"), (prompts("repetitive", n=9), "dflash"), ([7], "mtp")]
+    batch = BatchDecoder(model, n_slots=3, max_draft=3)
+    rows, wanted, decoders = {}, {}, []
+    for p, kind in specs:
+        decoder = fed_decoder(model, p, make_drafter(kind, model), 3)
+        b = batch.add(decoder, RowOptions(16, num_draft_tokens=3))
+        rows[b], wanted[b] = [], reference_tokens(model, tok, p, 16)
+        decoders.append(decoder)
+    run_batch(batch, rows)
+    assert rows == wanted
+    assert decoders[0].stats.accepted > 0 and decoders[1].stats.drafted > 0
 
 
 def block_logits(drafter):
