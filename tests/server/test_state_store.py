@@ -37,8 +37,8 @@ def started(events) -> Started:
     return next(e for e in events if isinstance(e, Started))
 
 
-# dflash reads a drafter model the suite's shared models do not carry, and
-# its context is not kept in a state yet (docs/dflash.md, what remains).
+# dflash reads a drafter model the suite's shared models do not carry; its
+# kept states are tested with one (tests/drafters/test_dflash_drafter.py).
 KEPT_DRAFTS = [d for d in draft_names() if d != "dflash"]
 
 
