@@ -70,8 +70,8 @@ def draft_model_of(model) -> DFlashDraftModel:
     if draft_model is None:
         raise InputError(
             "draft 'dflash' needs a drafter model: draft_model= (a path, a "
-            "repo id or mlx_spec.load_drafter's result), or generate's "
-            "--draft-model PATH_OR_REPO"
+            "repo id or mlx_spec.load_drafter's result), or --draft-model "
+            "PATH_OR_REPO"
         )
     return draft_model
 
