@@ -2,12 +2,13 @@
 
 from .core.stats import SpecStats
 from .generate import generate, stream_generate
-from .loading import load
+from .loading import load, load_drafter
 from .session import DecodeOptions, KVQuantization, Session
 
 __version__ = "0.1.0"
 __all__ = [
     "load",
+    "load_drafter",
     "generate",
     "stream_generate",
     "Session",

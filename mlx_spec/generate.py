@@ -11,6 +11,7 @@ from .core.policy_tuning import DEFAULT_TUNING, PolicyTuning
 from .core.verify_profile import head_step_cost, verify_cost_profiles
 from .core.stats import SpecStats
 from .drafters import default_draft
+from .loading import use_draft_model
 from .mlx_lm_compat import (
     GenerationResponse,
     TokenizerWrapper,
@@ -143,7 +144,9 @@ def stream_generate(
     ``draft`` is a drafter name (``"none"``, ``"ngram"``, ``"mtp"``,
     ``"mtp+ngram"``; default: ``mtp+ngram`` when the model has an MTP head,
     else ``ngram``) or an object with ``reset(prompt, hidden)``, ``draft(k)``
-    and ``accept(tokens, hidden)``.
+    and ``accept(tokens, hidden)``. ``draft_model``: a DFlash drafter (a
+    path, a repo id or :func:`~mlx_spec.loading.load_drafter`'s result) for
+    ``draft="dflash"`` (the default when it is given).
 
     Yields ``SpecGenerationResponse`` (a ``GenerationResponse``) objects;
     ``from_draft`` is True for tokens that were drafted and accepted. Extra
@@ -161,17 +164,20 @@ def stream_generate(
     variants of the default with ``dataclasses.replace``).
     """
     check_max_tokens(max_tokens)
+    draft_model = kwargs.pop("draft_model", None)
+    if draft_model is not None:
+        if session is not None:
+            raise ValueError("draft_model is a new session's; a session has its own")
+        draft = "dflash" if draft is None else draft
+        if draft != "dflash":
+            raise ValueError(f"draft_model is read by draft='dflash', not {draft!r}")
+        use_draft_model(model, draft_model)
     if session is None:
         options = options_of(model, draft, num_draft_tokens, max_ngram, tuning, kwargs)
     else:
         options, stats = session.options, session.stats
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    if kwargs.pop("draft_model", None) is not None:
-        raise ValueError(
-            "draft_model is not supported by mlx_spec; use draft='ngram' "
-            "(or mlx_lm.stream_generate for a separate draft model)"
-        )
     prompt = _encode(model, tokenizer, prompt)
     stats = SpecStats() if stats is None else stats
     stream = kwargs.pop("stream", generation_stream)

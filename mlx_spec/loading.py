@@ -7,7 +7,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import mlx_lm_compat
-from .hub.resolve import resolve_model, resolve_mtp_path
+from .hub.resolve import resolve_drafter, resolve_model, resolve_mtp_path
+from .models.dflash.weights import load_dflash
 from .models.fast_layers import enable_fast_layers
 from .models.gdn import make_verifiable
 from .models.identity import record_sources, weight_files
@@ -99,3 +100,34 @@ def load(
     head_files = [Path(f) for f in info.files] if info is not None else []
     record_sources(model, weight_files(path, kwargs.get("adapter_path")), head_files)
     return model, tokenizer
+
+
+def load_drafter(
+    path_or_hf_repo: Union[str, Path],
+    target_model,
+    quantize: Optional[int] = None,
+    revision: Optional[str] = None,
+):
+    """Load a DFlash block drafter for ``target_model`` (a model from
+    :func:`load`): a local directory or a Hugging Face repo id (``revision``:
+    its branch, tag or commit) holding ``config.json`` and safetensors.
+
+    ``quantize`` (4 or 8): its linear layers quantised in memory (affine,
+    groups of 64). A drafter that does not fit the target raises
+    :class:`~mlx_spec.errors.InputError` naming the field; a path that does
+    not exist, ``FileNotFoundError``; a repo that cannot be fetched,
+    :class:`~mlx_spec.hub.resolve.HubError`.
+    """
+    path = resolve_drafter(path_or_hf_repo, revision)
+    return load_dflash(path, target_model, quantize_bits=quantize)
+
+
+def use_draft_model(target_model, draft_model, quantize: Optional[int] = None):
+    """Make ``draft_model`` the drafter ``draft="dflash"`` uses with
+    ``target_model``: a path or repo id (loaded with :func:`load_drafter`)
+    or a drafter :func:`load_drafter` returned for this target. Returns it."""
+    from .drafters.dflash import attach_draft_model
+
+    if isinstance(draft_model, (str, Path)):
+        draft_model = load_drafter(draft_model, target_model, quantize=quantize)
+    return attach_draft_model(target_model, draft_model)

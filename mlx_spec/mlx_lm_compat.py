@@ -39,6 +39,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.models.gated_delta import _gated_delta_step_ops as gated_delta_step_ops
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
+from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.qwen3_next import (
     Qwen3NextAttention,
     Qwen3NextMLP,
@@ -157,6 +158,7 @@ __all__ = [
     "keeps_random_state",
     "generate_step",
     "generation_stream",
+    "initialize_rope",
     "load",
     "load_prompt_cache",
     "make_logits_processors",

@@ -32,6 +32,7 @@ from .core.state import ROLLBACK_STRATEGIES
 from .core.stats import SpecStats
 from .drafters import NO_DRAFTER, contract, draft_names, make_drafter, max_draft_of
 from .drafters.base import MAX_DRAFT_TOKENS, is_drafter
+from .loading import use_draft_model
 from .mlx_lm_compat import DEFAULT_QUANTIZED_KV_START
 from .states.snapshot import DecoderState, restore
 
@@ -135,6 +136,9 @@ class Session:
     does not fit, before the session exists). A state the caller keeps
     using afterwards is passed as :func:`~mlx_spec.states.snapshot.shared`
     of it. :meth:`generate` continues the sequence by a prompt's tokens.
+    ``draft_model``: a DFlash drafter for ``draft="dflash"`` (a path, a repo
+    id or :func:`~mlx_spec.loading.load_drafter`'s result), attached to
+    ``model`` for every later ``dflash`` session of it.
     """
 
     def __init__(
@@ -145,12 +149,25 @@ class Session:
         prompt_cache: Optional[List[Any]] = None,
         state: Optional[DecoderState] = None,
         stats: Optional[SpecStats] = None,
+        draft_model=None,
     ):
         draft = options.draft
+        if draft_model is not None:
+            if draft != "dflash":
+                raise ValueError(
+                    f"draft_model is read by draft='dflash', not {draft!r}"
+                )
+            use_draft_model(model, draft_model)
         if isinstance(draft, str):
             drafter = make_drafter(draft, model, max_ngram=options.max_ngram)
         else:
             drafter = draft
+        most = getattr(drafter, "max_draft", None)  # a drafter's own bound
+        k = options.num_draft_tokens
+        if most is not None and k != "auto" and k > most:
+            raise ValueError(
+                f"draft {drafter.name!r} drafts 1..{most} tokens per pass, got {k}"
+            )
         kv = options.kv
         quantized = {}
         if kv is not None:

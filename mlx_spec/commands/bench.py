@@ -36,7 +36,7 @@ from typing import List
 
 from ..core.verify_profile import verify_cost_profile
 from ..core.stats import SpecStats
-from ..drafters import NO_DRAFTER, draft_names
+from ..drafters import NO_DRAFTER, draft_names, make_drafter
 from ..model_files import load_model
 from ..timed_runs import (
     KINDS,
@@ -50,7 +50,9 @@ from .bench_report import format_table, lossless_report, plot
 from .common import (
     MODEL_HELP,
     CommandError,
+    add_draft_model_flags,
     add_revision_flag,
+    attach_draft_model,
     bad_input,
     check_output_file,
     command,
@@ -161,6 +163,7 @@ def setup_parser():
     p.add_argument(
         "--workloads-file", help="A JSONL file of workloads instead of the bundled one."
     )
+    add_draft_model_flags(p)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--max-tokens", type=int, help="Override every workload's max_tokens."
@@ -172,6 +175,11 @@ def setup_parser():
     return p
 
 
+def replace_draft(args, draft: str):
+    """``args`` with ``draft`` as its one drafter (what the common flags read)."""
+    return argparse.Namespace(**{**vars(args), "draft": draft})
+
+
 @command("mlx_spec bench")
 def main(argv=None):
     args = setup_parser().parse_args(argv)
@@ -181,7 +189,13 @@ def main(argv=None):
         if path:  # before the run, not after it
             check_output_file(path, flag)
     model_path, model, tok = load_model(args.model, revision=args.revision)
+    if args.draft_model is not None or "dflash" in args.draft:
+        if "dflash" not in args.draft:
+            raise CommandError("--draft-model is read by --draft dflash")
+        attach_draft_model(replace_draft(args, "dflash"), model)
     with bad_input():
+        for draft in args.draft:  # one the model cannot serve: before any run
+            make_drafter(draft, model)
         workloads = load_workloads(args.workloads_file, args.workload, tok)
     if args.max_tokens:
         for w in workloads:

@@ -31,10 +31,12 @@ from ..states.session_file import check_writable, load_session, save_session
 from ..states.snapshot import capture, drafter_name
 from .common import (
     CommandError,
+    add_draft_model_flags,
     add_penalty_flags,
     add_pipeline_flag,
     add_speculation_flags,
     add_state_dir_flags,
+    attach_draft_model,
     bad_input,
     check_run_flags,
     check_state_dir_flags,
@@ -204,6 +206,7 @@ def setup_parser():
     )
     parser.add_argument("--top-k", type=int, default=0, help="Sampling top-k")
     add_penalty_flags(parser)
+    add_draft_model_flags(parser)
     add_pipeline_flag(parser, "reads the lines and prints")
     parser.add_argument(
         "--prompt-cache-file",
@@ -319,7 +322,7 @@ def main(argv=None):
         adapter_path=args.adapter_path,
         pipeline_group=group,
     )
-    args.draft = args.draft or default_draft(model)
+    args.draft = attach_draft_model(args, model) or default_draft(model)
     store = open_state_store(args, model, tokenizer, model_path)
     with bad_input():
         chat = ChatSession(model, tokenizer, args, store)

@@ -40,6 +40,7 @@ def add_draft_options(parser: argparse.ArgumentParser):
         default=None,
         help="Drafter: 'mtp' the model's own multi-token-prediction head, "
         "'ngram' a lookup of the context for a continuation, 'mtp+ngram' both, "
+        "'dflash' a block drafter (with --draft-model), "
         "'none' plain decoding (default: mtp+ngram when the model has an MTP "
         "head, else ngram).",
     )
@@ -72,6 +73,48 @@ def add_draft_options(parser: argparse.ArgumentParser):
         "(default): chosen each pass from the measured verify cost and the "
         "acceptance so far, 0 while speculation does not pay."
     )
+
+
+def add_draft_model_flags(parser: argparse.ArgumentParser):
+    """``--draft-model`` (mlx-lm's flag, given a DFlash drafter's meaning)
+    and ``--draft-quantize``."""
+    actions = {a.dest: a for a in parser._actions}
+    flag = actions.get("draft_model") or parser.add_argument("--draft-model")
+    flag.help = (
+        "DFlash block drafter for --draft dflash (the default when this is "
+        "given): a directory or a Hugging Face repo id holding its config.json "
+        "and safetensors (e.g. z-lab's drafter for this model)."
+    )
+    parser.add_argument(
+        "--draft-quantize",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="Quantise the --draft-model drafter's linear layers in memory "
+        "to 4 or 8 bits (default: as stored).",
+    )
+
+
+def attach_draft_model(args, model) -> "str | None":
+    """Load ``--draft-model`` for ``model`` (a drafter that does not fit is
+    refused in one line naming the field); the draft the flags then ask
+    for. ``--draft dflash`` without a drafter is refused in one line."""
+    from ..loading import use_draft_model
+
+    if args.draft_model is None:
+        if args.draft == "dflash":
+            raise CommandError("--draft dflash needs --draft-model PATH_OR_REPO")
+        return args.draft
+    if args.draft not in (None, "dflash"):
+        raise CommandError(
+            f"--draft-model is read by --draft dflash, not --draft {args.draft}"
+        )
+    if getattr(args, "pipeline", False):
+        # Each rank holds some of the layers; the drafter reads layers of all.
+        raise CommandError("--draft-model is not supported with --pipeline yet")
+    with bad_input(ValueError, FileNotFoundError):
+        use_draft_model(model, args.draft_model, quantize=args.draft_quantize)
+    return "dflash"
 
 
 def decode_options(args, draft) -> DecodeOptions:

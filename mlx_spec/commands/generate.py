@@ -16,8 +16,10 @@ from .common import (
     CommandError,
     add_extra_eos_tokens,
     add_penalty_flags,
+    add_draft_model_flags,
     add_pipeline_flag,
     add_speculation_flags,
+    attach_draft_model,
     bad_input,
     check_run_flags,
     command,
@@ -31,7 +33,6 @@ from .common import (
 # mlx_lm.generate flags that speculative decoding here does not implement;
 # those not in mlx_spec's help are refused by name all the same.
 _UNSUPPORTED = {
-    "draft_model": "--draft-model",
     "image": "--image",
     "prompt_cache_file": "--prompt-cache-file",
     "use_default_chat_template": "--use-default-chat-template",
@@ -48,6 +49,7 @@ def setup_parser():
         "Speculative generation with drafts from the model's MTP head or n-gram lookup.",
     )
     add_penalty_flags(parser)
+    add_draft_model_flags(parser)
     add_pipeline_flag(parser, "prints")
     for action in parser._actions:
         if action.dest in _HIDDEN:
@@ -110,6 +112,7 @@ def main(argv=None):
     quiet = group is not None and group.rank() != 0
     add_extra_eos_tokens(tokenizer, args.extra_eos_token, vocab_size(model))
 
+    args.draft = attach_draft_model(args, model)
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     if prompt == "-":
         prompt = read_text(sys.stdin, "the prompt on standard input")

@@ -28,16 +28,18 @@ from ..server.requests import ServerContext
 from ..model_files import load_model, model_name
 from .common import (
     CommandError,
+    MODEL_HELP,
+    add_draft_model_flags,
     add_draft_options,
     add_pipeline_flag,
     add_state_dir_flags,
+    attach_draft_model,
     bad_input,
     byte_size,
     check_state_dir_flags,
     command,
     join_pipeline,
     open_state_store,
-    MODEL_HELP,
 )
 
 PROG = "mlx_spec server"
@@ -76,6 +78,7 @@ def setup_parser():
         "else no key.",
     )
     add_draft_options(p)
+    add_draft_model_flags(p)
     p.add_argument(
         "--temp", type=float, default=0.0, help="Default sampling temperature."
     )
@@ -244,7 +247,7 @@ def main(argv=None):
         revision=args.revision,
         pipeline_group=group,
     )
-    draft = args.draft or default_draft(model)
+    draft = attach_draft_model(args, model) or default_draft(model)
     vocab_size = config_int(model, "vocab_size")
     if vocab_size is not None and args.top_k >= vocab_size:
         raise CommandError(

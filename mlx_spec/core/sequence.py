@@ -16,7 +16,7 @@ from ..drafters.contract import NO_PROPOSAL, Drafter, Proposal
 from ..mlx_lm_compat import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 from .state import SpeculativeCache
 from .stats import SpecStats
-from .target import Target
+from .target import Target, rows_for
 
 
 class SpeculativeDecoder:
@@ -100,7 +100,9 @@ class SpeculativeDecoder:
         if not self._held:
             return
         tokens = [t for part, _ in self._held for t in part]
-        hidden = [h for _, parts in self._held for h in parts] or None
+        hidden = [self._rows(h) for _, parts in self._held for h in parts] or None
+        if hidden and any(h is None for h in hidden):
+            hidden = None
         if hidden:
             rows = sum(h.shape[0] for h in hidden)
             read = contract.rows_read(self.drafter, rows)
@@ -110,6 +112,10 @@ class SpeculativeDecoder:
             self.drafter.reset(tokens, hidden)
         else:
             self.drafter.accept(tokens, hidden)
+
+    def _rows(self, hidden: mx.array) -> Optional[mx.array]:
+        """The part of the target's hidden rows the drafter reads."""
+        return rows_for(self.model, hidden, contract.reads_features(self.drafter))
 
     def flush(self):
         """Process the pending token: the caches then equal plain decoding's."""
@@ -144,7 +150,9 @@ class SpeculativeDecoder:
         j = len(tokens)
         self.stats.record(drafted, min(n, j), j)
         if self.drafter is not None:
-            self.drafter.accept(tokens, None if hidden is None else hidden[:j])
+            self.drafter.accept(
+                tokens, None if hidden is None else self._rows(hidden[:j])
+            )
         self.history += tokens
         # its last token stays pending unless the pass processed it too
         self.processed = len(self.history) - (1 if kept == j else 0)

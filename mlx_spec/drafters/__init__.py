@@ -4,8 +4,9 @@ A drafter implements the core contract of :mod:`.contract` (``reset``,
 ``propose``, ``accept``; or, as a user's simple object, ``reset``,
 ``draft(k) -> list[int]`` and ``accept``) and is made available by name with
 :func:`register`; nothing in ``core/`` names a drafter (docs/drafters.md).
-The built-in ones: ``ngram`` (:mod:`.ngram`), ``mtp`` (:mod:`.mtp`) and
-``mtp+ngram`` (:mod:`.combined`); ``none`` is plain decoding.
+The built-in ones: ``ngram`` (:mod:`.ngram`), ``mtp`` (:mod:`.mtp`),
+``mtp+ngram`` (:mod:`.combined`) and ``dflash`` (:mod:`.dflash`, with a
+drafter model attached to the target); ``none`` is plain decoding.
 """
 
 from dataclasses import dataclass
@@ -110,3 +111,13 @@ def _head_and_copies(model, options: DrafterOptions):
 register("ngram", lambda model, options: NgramDrafter(max_ngram=options.max_ngram))
 register("mtp", _head_drafter, MAX_MTP_DRAFT_TOKENS)
 register("mtp+ngram", _head_and_copies, MAX_MTP_DRAFT_TOKENS)
+
+
+def _block_drafter(model, options: DrafterOptions):
+    from .dflash import make_dflash_drafter
+
+    return make_dflash_drafter(model, options)
+
+
+# A block of 16 (every release) drafts at most 15; a smaller block, fewer.
+register("dflash", _block_drafter, MAX_DRAFT_TOKENS - 1)

@@ -30,6 +30,8 @@ in one pass and the drafter is told what was kept.
     drafter without them is rebuilt from the token history).
   - :class:`HeadBased`: it drafts with the model's MTP head, so a batch can
     run its rows' heads as one forward.
+  - :class:`ReadsFeatures`: its hidden states are the outputs of target
+    layers a tap on the model records, not the post-norm state.
 
 The engine's values have one type each: a draft is a :class:`Proposal`
 (tokens ``mx.array`` [m] uint32, m <= k, lazy when made on the device; its
@@ -218,6 +220,14 @@ class HeadBased(Protocol):
         """Whether drafting ``k`` tokens runs the head."""
 
 
+@runtime_checkable
+class ReadsFeatures(Protocol):
+    """A drafter whose ``hidden`` rows are what the model's feature tap
+    records (``core.target.feature_tap``), not the post-norm state."""
+
+    reads_features: bool
+
+
 # -- the optional contracts' defaults, for a drafter without them ----------------
 _IMPLEMENTS: Dict[Tuple[type, type], bool] = {}
 
@@ -238,6 +248,13 @@ def set_sampling(drafter: Drafter, choose: Optional[DraftChooser]):
     own (the verifier treats its q as one-hot)."""
     if implements(drafter, SamplesDrafts):
         drafter.set_sampling(choose)
+
+
+def reads_features(drafter: Optional[Drafter]) -> bool:
+    """Whether ``drafter`` reads the tap's features (else the post-norm state)."""
+    if drafter is None or not implements(drafter, ReadsFeatures):
+        return False
+    return bool(drafter.reads_features)
 
 
 def can_draft(drafter: Drafter) -> bool:

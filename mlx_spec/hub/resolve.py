@@ -35,6 +35,9 @@ MTP_FILE_PATTERNS = (
 )
 # What ``--mtp-path REPO`` downloads: the head's files and the config naming them.
 MTP_ONLY_PATTERNS = ("config.json", "model-mtp.safetensors") + MTP_FILE_PATTERNS
+# What a drafter repo id downloads: its config and weights (whatever the
+# shards are called), not a model's tokenizer or code.
+DRAFTER_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
 
 
 class HubError(OSError):
@@ -105,6 +108,23 @@ def resolve_mtp_path(name: Union[str, Path], revision: Optional[str] = None) -> 
             f"`mlx_spec convert --mtp-from {repo} --mlx-path <model dir>`"
         )
     return path
+
+
+def resolve_drafter(name: Union[str, Path], revision: Optional[str] = None) -> Path:
+    """The local directory of drafter ``name``: a path, or a repo id of which
+    the config and safetensors files are downloaded."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    repo = str(name)
+    if not is_repo_id(repo):
+        raise FileNotFoundError(f"drafter path {repo!r} does not exist")
+    with hub_errors(repo, revision, "drafter"):
+        return Path(
+            mlx_lm_compat.download_model(
+                repo, revision=revision, allow_patterns=list(DRAFTER_PATTERNS)
+            )
+        )
 
 
 def has_mtp_files(model_dir: Path) -> bool:

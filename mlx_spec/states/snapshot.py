@@ -22,6 +22,7 @@ from ..drafters import contract, make_drafter
 from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
 from ..models.mtp.head import text_args
 from ..core.state import GDNSlotCache
+from ..core.target import hidden_width
 
 
 @dataclass
@@ -198,7 +199,8 @@ def check_fits(model, drafter, state: DecoderState):
     if vocab is not None and any(not 0 <= t < vocab for t in state.history):
         raise ValueError(f"state holds token ids outside the vocabulary ({vocab})")
     hidden = state.last_hidden
-    if hidden is not None and tuple(hidden.shape) != (1, args.hidden_size):
+    width = hidden_width(model)  # with a feature tap, its features too
+    if hidden is not None and tuple(hidden.shape) != (1, width):
         raise ValueError(f"state holds a hidden state of shape {hidden.shape}")
     if drafter is not None:
         contract.check_state(drafter, state.drafter_arrays, state.drafter_deferred)

@@ -7,6 +7,7 @@ models without a model hub. No runtime module of mlx_spec imports it.
   with ``mtp.*`` tensors, deterministic from a seed;
 - ``tokenizer.py``: the tiny byte-level BPE tokenizer they ship;
 - ``mtp_heads.py``: checkpoints whose MTP head predicts well;
+- ``dflash_drafters.py``: tiny random DFlash drafters for each tiny target;
 - ``reference.py``: prompts, mlx-lm reference decoding, an oracle drafter.
 - ``agent_checkpoint.py``: a checkpoint with a chat template that thinks and
   calls a tool (agent clients' round trips);

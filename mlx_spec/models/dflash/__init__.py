@@ -1,0 +1,2 @@
+"""The DFlash block drafter's model: config, module, context cache, weights
+(see docs/dflash.md)."""
