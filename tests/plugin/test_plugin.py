@@ -154,7 +154,8 @@ def test_stream_generate_greedy_tokens_are_mlx_lms(loaded, family, k):
         drafted += state.last_stats.drafted
     assert got == want
     assert state.decisions == {"covered": len(PROMPTS)}
-    assert drafted > 0  # n-gram copies of the repeated prompt were verified
+    if k != "auto":  # auto drafts where the measured costs say it pays
+        assert drafted > 0  # n-gram copies of the repeated prompt were verified
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -236,7 +237,9 @@ def test_demo_model_loaded_by_mlx_lm_drafts_with_its_mtp_head():
     ref, ref_tok = mlx_spec.load(default_model_path())  # mlx-lm's computation
     prompt = "import os\nimport sys\n\n\ndef main(argv):\n    "
     want = mlx_lm.generate(ref, ref_tok, prompt, max_tokens=40)
-    state = plugin.enable()  # draft="auto": the head, with n-gram copies
+    # draft="auto": the head, with n-gram copies; a fixed length, so that
+    # drafts are made whatever this machine's costs say
+    state = plugin.enable(num_draft_tokens=3)
     model, tok = mlx_lm.load(str(default_model_path()))
     assert model.mtp_head is not None
     assert mlx_lm.generate(model, tok, prompt, max_tokens=40) == want
