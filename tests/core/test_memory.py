@@ -167,14 +167,19 @@ def test_memory_flat_under_logits_processors(cycle_models, plain_slope, draft):
 
 
 def _left_to_the_collector(run) -> list:
-    """What ``run()`` left that only the garbage collector frees: objects in
-    reference cycles (kept until it runs, whatever arrays they hold)."""
+    """What ``run()`` left that only the garbage collector frees, of
+    mlx-spec's objects and MLX arrays: objects in reference cycles (kept
+    until it runs, with whatever arrays they hold)."""
     gc.collect()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         run()
         gc.collect()
-        return [type(o).__qualname__ for o in gc.garbage]
+        return [
+            f"{type(o).__module__}.{type(o).__qualname__}"
+            for o in gc.garbage
+            if isinstance(o, mx.array) or type(o).__module__.startswith("mlx_spec")
+        ]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
