@@ -205,11 +205,8 @@ def stream_generate(
         if session is None:
             cache = kwargs.get("prompt_cache")
             session = Session(model, options, prompt_cache=cache, stats=stats)
-        if options.num_draft_tokens == "auto":  # measured (once) apart from the prompt
-            tic = time.perf_counter()
-            verify_cost_profiles(model, options.tuning), head_step_cost(model)
-            stats.profile_seconds = time.perf_counter() - tic
-        tokens = _on_stream(
+        measure_for_auto(model, options, stats)
+        tokens = on_stream(
             stream,
             session.generate(
                 prompt,
@@ -225,7 +222,18 @@ def stream_generate(
     yield from _responses(model, tokenizer, prompt, tokens, max_tokens, stream, stats)
 
 
-def _on_stream(stream, generator):
+def measure_for_auto(model, options: DecodeOptions, stats: SpecStats) -> None:
+    """Under ``num_draft_tokens="auto"``, the verify costs it decides from,
+    measured before the prompt is fed so that their time is not the
+    prompt's (once per machine, MLX version and model, then read from
+    disk); the seconds go to ``stats.profile_seconds``."""
+    if options.num_draft_tokens == "auto":
+        tic = time.perf_counter()
+        verify_cost_profiles(model, options.tuning), head_step_cost(model)
+        stats.profile_seconds = time.perf_counter() - tic
+
+
+def on_stream(stream, generator):
     """Run each step of ``generator`` (and its closing) with ``stream`` as the
     default stream."""
     try:

@@ -201,6 +201,8 @@ def gated_delta_update_runs_ops(k) -> bool:
 # The modules of mlx-lm whose ``stream_generate`` the plugin routes: the one
 # that defines it and those that import the name from it (the package, the
 # chat and server commands). Their ``main`` is each command's entry point.
+# ``generate_step`` is routed wherever a loaded mlx-lm module holds it
+# (``mlx_lm.generate``; ``mlx_lm.cache_prompt``, for its prefill, once loaded).
 PLUGIN_MODULES = ("mlx_lm.generate", "mlx_lm", "mlx_lm.chat", "mlx_lm.server")
 PLUGIN_COMMANDS = ("mlx_lm.generate", "mlx_lm.chat", "mlx_lm.server")
 

@@ -5,22 +5,28 @@
 ``stream_generate`` in every loaded mlx-lm module that holds mlx-lm's
 (``mlx_lm.generate``, where ``generate`` and the ``generate`` command look
 it up; ``mlx_lm``; the chat and server commands, which imported the name),
-and for ``load`` in those four. Each ``stream_generate`` call is judged
-by :func:`~mlx_spec.plugin.coverage.coverage`: a covered call runs
+of ``generate_step`` likewise (``mlx_lm.generate``, and ``cache_prompt``
+once loaded), and for ``load`` in those four. Each ``stream_generate`` call
+is judged by :func:`~mlx_spec.plugin.coverage.coverage`: a covered call runs
 mlx-spec's ``stream_generate`` (one :class:`~mlx_spec.Session`), which yields
 mlx-lm's ``GenerationResponse`` fields (plus ``stats``, the call's
 speculation counters); any other call runs mlx-lm's own function with the
-arguments it was given. ``load`` returns what mlx-lm's returns, a covered
-model with its MTP head attached. ``mlx_lm.server`` batches requests only on
-its ``BatchGenerator`` path, which never speculates: while enabled, a
-request for a covered model takes the server's per-request path
-(``stream_generate``) instead.
+arguments it was given. A covered ``generate_step`` call (a script driving
+the token loop itself) yields mlx-lm's ``(token, logprobs)`` pairs from one
+session; any other returns mlx-lm's own generator. mlx-lm's
+``stream_generate`` finds ``generate_step`` in its module when it runs: for
+the calls left to it, that is mlx-lm's own again. ``load`` returns what
+mlx-lm's returns, a covered model with its MTP head attached.
+``mlx_lm.server`` batches requests only on its ``BatchGenerator`` path,
+which never speculates: while enabled, a request for a covered model takes
+the server's per-request path (``stream_generate``) instead.
 
 :func:`disable` puts mlx-lm's own objects back (the same objects: ``is``
 holds).
 """
 
 import collections
+import contextlib
 import functools
 import inspect
 import threading
@@ -28,19 +34,23 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Counter, Dict, List, Optional, Tuple, Union
 
+from ..core.policy_tuning import DEFAULT_TUNING
 from ..core.stats import SpecStats
+from ..generate import measure_for_auto, on_stream, options_of
 from ..generate import stream_generate as spec_stream_generate
 from ..mlx_lm_compat import (
     MLX_LM_VERSION,
     PLUGIN_MODULES,
     PLUGIN_TESTED_MLX_LM,
+    generate_step as plain_generate_step,
+    generation_stream,
     load as plain_load,
     plain_stream_generate,
     plugin_modules,
     server_response_generator,
 )
-from ..session import DecodeOptions
-from .coverage import Coverage, coverage, model_coverage
+from ..session import DecodeOptions, Session
+from .coverage import Coverage, coverage, model_coverage, step_coverage
 from .loading import ready_for_speculation
 
 __all__ = [
@@ -51,12 +61,15 @@ __all__ = [
     "Plugin",
     "Coverage",
     "coverage",
+    "step_coverage",
 ]
 
 _NAME = "stream_generate"
+_STEP = "generate_step"
 _LOAD = "load"
 _BATCHABLE = "_is_batchable"
 _SIGNATURE = inspect.signature(plain_stream_generate)
+_STEP_SIGNATURE = inspect.signature(plain_generate_step)
 _LOAD_SIGNATURE = inspect.signature(plain_load)
 
 
@@ -65,15 +78,19 @@ class Plugin:
     """The plugin's options while it is enabled, and what it did.
 
     ``decisions``: how many calls took each path (``"covered"`` or the
-    reason a call ran mlx-lm's own code); ``last_stats``: the speculation
-    counters of the latest covered call; ``total``: those of every covered
-    call, added when the call ends.
+    reason a call ran mlx-lm's own code), ``stream_generate`` and
+    ``generate_step`` calls together; ``step_decisions``: those of the
+    ``generate_step`` calls alone (a call mlx-lm's own ``stream_generate``
+    makes for a call left to it is neither: it is part of that call);
+    ``last_stats``: the speculation counters of the latest covered call;
+    ``total``: those of every covered call, added when the call ends.
     """
 
     draft: Any = "auto"
     num_draft_tokens: Union[int, str] = "auto"
     max_ngram: int = 3
     decisions: Counter[str] = field(default_factory=collections.Counter)
+    step_decisions: Counter[str] = field(default_factory=collections.Counter)
     last_stats: Optional[SpecStats] = None
     total: SpecStats = field(default_factory=SpecStats)
     # (object, attribute name, mlx-lm's value) for every replacement made
@@ -94,7 +111,8 @@ def enable(
     max_ngram: int = 3,
 ) -> Plugin:
     """Route mlx-lm's ``stream_generate`` (and so ``generate``, ``chat`` and
-    ``server``) through mlx-spec for the models and calls it covers.
+    ``server``) and ``generate_step`` through mlx-spec for the models and
+    calls it covers.
 
     ``draft``: ``"auto"`` (the MTP head with n-gram copies when the model
     has a head, else n-gram) or a drafter name or object, as
@@ -144,6 +162,7 @@ def _install(replaced: List[Tuple[Any, str, Any]]) -> List[Tuple[Any, str, Any]]
     for module in plugin_modules():
         for name, original, routed in (
             (_NAME, plain_stream_generate, routed_stream_generate),
+            (_STEP, plain_generate_step, routed_generate_step),
             (_LOAD, plain_load, routed_load),
         ):
             # load: only where the generation tools and scripts find it, not
@@ -209,7 +228,7 @@ def routed_stream_generate(*args, **kwargs):
     if decision is None or not decision.covered:
         if plugin is not None:
             plugin.decisions[decision.reason] += 1
-        yield from plain_stream_generate(*args, **kwargs)
+        yield from _as_mlx_lm(plain_stream_generate(*args, **kwargs))
         return
     plugin.decisions[decision.reason] += 1
     bound = _SIGNATURE.bind(*args, **kwargs).arguments
@@ -230,6 +249,107 @@ def routed_stream_generate(*args, **kwargs):
             stats=stats,
             **rest,
         )
+    finally:
+        _add(plugin.total, stats)
+
+
+# A depth per thread, above zero while a step of mlx-lm's own
+# stream_generate runs for a call left to mlx-lm: that function looks
+# generate_step up in its module as it runs, finds the routed one, which must
+# then be mlx-lm's own. Raised only around each next() (and the close), never
+# across a yield: the caller's code between two responses, which may call
+# generate_step itself, is not inside mlx-lm's.
+_in_mlx_lm = threading.local()
+
+
+@contextlib.contextmanager
+def _running_mlx_lm():
+    _in_mlx_lm.depth = getattr(_in_mlx_lm, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _in_mlx_lm.depth -= 1
+
+
+def _as_mlx_lm(generator):
+    """What ``generator`` (mlx-lm's own ``stream_generate``) yields, each
+    of its steps run with ``generate_step`` passing straight through to
+    mlx-lm's."""
+    try:
+        while True:
+            with _running_mlx_lm():
+                try:
+                    item = next(generator)
+                except StopIteration:
+                    return
+            yield item
+    finally:
+        with _running_mlx_lm():
+            generator.close()
+
+
+@functools.wraps(plain_generate_step)
+def routed_generate_step(*args, **kwargs):
+    """mlx-lm's ``generate_step``: where the plugin covers the call (see
+    :func:`~mlx_spec.plugin.coverage.step_coverage`), a generator of mlx-lm's
+    ``(token, logprobs [V])`` pairs from one session; otherwise mlx-lm's own
+    generator, the very object its function returns (its errors too).
+
+    Not a generator function: the call is judged, and a call that does not
+    fit mlx-lm's signature raises its ``TypeError``, when it is made, as
+    mlx-lm's does; a covered call's session opens at the first ``next()``,
+    when mlx-lm's would start decoding."""
+    plugin = _active
+    if plugin is None or getattr(_in_mlx_lm, "depth", 0):
+        return plain_generate_step(*args, **kwargs)
+    decision = _decide_step(args, kwargs)
+    plugin.decisions[decision.reason] += 1
+    plugin.step_decisions[decision.reason] += 1
+    if not decision.covered:
+        return plain_generate_step(*args, **kwargs)
+    return _speculative_steps(plugin, _STEP_SIGNATURE.bind(*args, **kwargs).arguments)
+
+
+def _speculative_steps(plugin: "Plugin", bound: Dict[str, Any]):
+    """A covered ``generate_step`` call (``bound``: its arguments by name):
+    what mlx-lm's yields, ``(token, logprobs [V])`` for ``max_tokens``
+    tokens, never stopping at an end-of-sequence token (its caller does)."""
+    model, prompt = bound["model"], bound["prompt"]
+    draft = None if _is_auto(plugin.draft) else plugin.draft
+    options = options_of(
+        model,
+        draft,
+        plugin.num_draft_tokens,
+        plugin.max_ngram,
+        DEFAULT_TUNING,
+        bound,
+    )
+    stats = plugin.last_stats = SpecStats()
+    try:
+        if not options.speculates:  # draft="none": mlx-lm's decoding
+            yield from plain_generate_step(**bound)
+            return
+        cache = bound.get("prompt_cache")
+        session = Session(model, options, prompt_cache=cache, stats=stats)
+        measure_for_auto(model, options, stats)
+        steps = on_stream(
+            bound.get("stream", generation_stream),
+            session.generate(
+                prompt,
+                max_tokens=bound.get("max_tokens", 256),
+                sampler=bound.get("sampler"),
+                logits_processors=bound.get("logits_processors"),
+                prompt_progress_callback=bound.get("prompt_progress_callback"),
+                # mlx-lm leaves a caller's cache holding every token it
+                # yielded; a cache of the call's own is dropped unflushed
+                flush=cache is not None,
+            ),
+        )
+        try:
+            for token, logprobs, _ in steps:
+                yield token, logprobs
+        finally:  # a caller that stops early: the caches keep what it read
+            steps.close()
     finally:
         _add(plugin.total, stats)
 
@@ -262,7 +382,7 @@ def report(plugin: Plugin) -> str:
 # functools.wraps gives mlx-lm's signature and docstring to help() and
 # inspect; the module and name stay this module's, so that a traceback or a
 # repr says whose function runs.
-for _routed in (routed_load, routed_stream_generate):
+for _routed in (routed_load, routed_stream_generate, routed_generate_step):
     _routed.__module__ = __name__
     _routed.__name__ = _routed.__qualname__ = _routed.__code__.co_name
 
@@ -280,6 +400,21 @@ def _decide(args, kwargs) -> Coverage:
         bound.get("max_tokens", 256),
         bound.get("draft_model"),
         bound.get("kwargs", {}),
+    )
+
+
+def _decide_step(args, kwargs) -> Coverage:
+    """The coverage of a ``generate_step`` call given as mlx-lm's
+    arguments."""
+    try:
+        bound = _STEP_SIGNATURE.bind(*args, **kwargs).arguments
+    except TypeError:
+        return Coverage(False, "arguments: not mlx-lm's signature")
+    rest = {
+        k: v for k, v in bound.items() if k not in ("prompt", "model", "max_tokens")
+    }
+    return step_coverage(
+        bound.get("model"), bound.get("prompt"), bound.get("max_tokens", 256), rest
     )
 
 

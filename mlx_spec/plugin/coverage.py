@@ -1,4 +1,5 @@
-"""Which calls of mlx-lm's ``stream_generate`` the plugin speculates on.
+"""Which calls of mlx-lm's ``stream_generate`` and ``generate_step`` the
+plugin speculates on.
 
 A call is covered when mlx-spec decodes it exactly as mlx-lm would: greedy
 tokens identical, a sampled call's distribution kept, a caller's prompt cache
@@ -52,6 +53,17 @@ def coverage(
     if not _is_prompt(prompt):
         return Coverage(False, "prompt: not a string or a 1-D sequence of token ids")
     return model_coverage(model, kwargs.get("prompt_cache"))
+
+
+def step_coverage(model, prompt, max_tokens, kwargs: Mapping[str, Any]) -> Coverage:
+    """Whether a ``generate_step(prompt, model, max_tokens=..., **kwargs)``
+    call is speculated on: as a ``stream_generate`` call, its prompt an
+    ``mx.array`` (mlx-lm's ``generate_step`` slices and indexes it as one:
+    anything else is left to mlx-lm, whose own error it then gets). A
+    prefill (``max_tokens=0``, as ``cache_prompt`` runs it) is mlx-lm's."""
+    if not isinstance(prompt, mx.array):
+        return Coverage(False, "prompt: not an mx.array of token ids")
+    return coverage(model, prompt, max_tokens, None, kwargs)
 
 
 def _is_prompt(prompt) -> bool:
