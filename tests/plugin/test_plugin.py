@@ -30,14 +30,6 @@ MAX_TOKENS = 24
 PROMPTS = [prompts("repetitive", n=20, seed=1), prompts("mixed", n=16, seed=2)]
 
 
-@pytest.fixture(autouse=True)
-def _plugin_off():
-    """Every test starts and ends with mlx-lm's own functions in place."""
-    plugin.disable()
-    yield
-    plugin.disable()
-
-
 @pytest.fixture(scope="module")
 def loaded(checkpoint_dirs):
     """family -> (reference, served): two copies of one checkpoint loaded by

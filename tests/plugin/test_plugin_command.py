@@ -9,9 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from mlx_spec.testing.agent_checkpoint import write_agent_checkpoint
+from mlx_spec.testing.plugin_commands import PROMPT, generate_args
 from mlx_spec.testing.server import completion, free_port, running_server
-
-PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
 
 
 def run(argv, timeout=300):
@@ -22,20 +21,6 @@ def run(argv, timeout=300):
         timeout=timeout,
         env=dict(os.environ),
     )
-
-
-def generate_args(model):
-    return [
-        "--model",
-        str(model),
-        "--prompt",
-        PROMPT,
-        "--max-tokens",
-        "24",
-        "--verbose",
-        "False",
-        "--ignore-chat-template",
-    ]
 
 
 # qwen3_5_moe too: mlx-lm runs the tiny checkpoint's float32 experts on the

@@ -34,13 +34,6 @@ N_RUNS = 400
 N_CONTROL_RUNS = 150
 
 
-@pytest.fixture(autouse=True)
-def _plugin_off():
-    plugin.disable()
-    yield
-    plugin.disable()
-
-
 @pytest.fixture(scope="module")
 def target(checkpoint_dirs):
     """A qwen3_next loaded by mlx-lm, its tokenizer never ending a run

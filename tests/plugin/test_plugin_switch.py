@@ -22,10 +22,10 @@ import pytest
 
 import _mlx_spec_hook
 from mlx_spec.plugin import __main__ as command
+from mlx_spec.testing.plugin_commands import PROMPT, generate_args
 from mlx_spec.testing.server import completion, free_port, running_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
 
 ROUTES = (
     # mlx_lm.generate is also a function's name: the module from sys.modules
@@ -150,20 +150,7 @@ def test_a_bad_value_is_one_line_and_the_program_runs_on(site_dir, switch, extra
 
 
 def generate_command(model):
-    return (
-        "-m",
-        "mlx_lm",
-        "generate",
-        "--model",
-        str(model),
-        "--prompt",
-        PROMPT,
-        "--max-tokens",
-        "24",
-        "--verbose",
-        "False",
-        "--ignore-chat-template",
-    )
+    return ("-m", "mlx_lm", "generate", *generate_args(model))
 
 
 # qwen3_5_moe too: mlx-lm runs the tiny checkpoint's float32 experts on the
