@@ -100,14 +100,17 @@ class DFlashDrafter:
 
     Contracts (:mod:`.contract`): the core :class:`~.contract.Drafter`,
     :class:`~.contract.SamplesDrafts`, :class:`~.contract.KnowsEmpty`,
-    :class:`~.contract.KeepsArrays` (its context caches) and
-    :class:`~.contract.ReadsFeatures`.
+    :class:`~.contract.KeepsArrays` (its context caches),
+    :class:`~.contract.ReadsFeatures` and
+    :class:`~.contract.TakesPromptInPieces` (context taken in any chunks is
+    the context taken in one).
     ``last_draft_logits`` [m, V]: the logits each drafted token came from.
     """
 
     name = "dflash"
     needs_hidden = True
     reads_features = True  # the tap's features, not the post-norm state
+    takes_prompt_in_pieces = True  # a chunked prompt's features are not held
 
     def __init__(self, draft_model: DFlashDraftModel):
         self.model = draft_model
