@@ -1,7 +1,7 @@
 """``mlx_spec doctor``: does speculation work, and pay, on this machine?
 
-Checks the platform, the model and its MTP head, the kernels, greedy
-losslessness and speed, each part with pass / fail / skip and a reason, and
+Checks the platform, the model, its MTP head and a DFlash drafter
+(``--draft-model``), the kernels, greedy losslessness and speed, each part with pass / fail / skip and a reason, and
 ends with a Markdown block to paste into an issue; ``--json`` writes the
 whole report (docs/doctor.md). Exit status 1 when a part failed.
 """
@@ -24,6 +24,21 @@ def setup_parser():
     p.add_argument("--model", help=MODEL_HELP)
     add_revision_flag(p)
     p.add_argument(
+        "--draft-model",
+        metavar="PATH_OR_REPO",
+        help="A DFlash block drafter for the model (a directory or a Hugging "
+        "Face repo id): named in the model part, and --draft dflash checked "
+        "for losslessness and measured with the other drafters.",
+    )
+    p.add_argument(
+        "--draft-quantize",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="Quantise the --draft-model drafter's linear layers in memory "
+        "to 4 or 8 bits (default: as stored).",
+    )
+    p.add_argument(
         "--json", help="Write the whole report, machine-readable, to this file."
     )
     p.add_argument(
@@ -37,6 +52,9 @@ def setup_parser():
 
 def main(argv=None) -> int:
     args = setup_parser().parse_args(argv)
+    if args.draft_quantize is not None and args.draft_model is None:
+        print("mlx_spec doctor: --draft-quantize needs --draft-model", file=sys.stderr)
+        return 2
     json_error = None
     if args.json:  # before the long parts, and no reason not to run them
         try:
@@ -54,6 +72,8 @@ def main(argv=None) -> int:
         json_path=args.json,
         revision=args.revision,
         announce=announce,
+        draft_model=args.draft_model,
+        draft_quantize=args.draft_quantize,
     )
     if args.json and not json_error:
         try:

@@ -71,7 +71,9 @@ class SpeculativeDecoder:
         ``more``: the rest of the prompt follows (a prompt prefilled in
         chunks): the drafter gets the chunks in one piece, as from one
         ``feed`` of the whole (a windowed MTP head then skips the rows no
-        later row attends to), at the last chunk or when next needed."""
+        later row attends to), at the last chunk or when next needed; a
+        drafter that takes a prompt in pieces (``TakesPromptInPieces``)
+        gets each chunk at once instead."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise ValueError("cannot feed an empty list of tokens")
@@ -93,6 +95,12 @@ class SpeculativeDecoder:
         self.processed = len(self.history) - 1
         if not more:
             self.update_drafter()
+        elif contract.takes_prompt_in_pieces(self.drafter):
+            # Held to the last chunk, a long prompt's rows would all be in
+            # memory at once (the dflash drafter's features: n x H floats a
+            # position); taken in now and evaluated, only this chunk's are.
+            self.update_drafter()
+            mx.eval(contract.saved_arrays(self.drafter))
 
     def update_drafter(self):
         """Hand the drafter the tokens fed with ``more`` that it has not seen,

@@ -10,6 +10,7 @@ several tokens differently from one-token steps (README, Losslessness).
 
 from typing import Callable, List, Optional
 
+from ..drafters.dflash import attached_draft_model
 from ..timed_runs import run_plain, run_spec, first_difference
 from .result import FAIL, PASS, Part
 
@@ -25,10 +26,24 @@ MEANING = (
 
 
 def available_drafters(model) -> List[str]:
-    """``ngram`` always; ``mtp`` and ``mtp+ngram`` with an MTP head."""
+    """``ngram`` always; ``mtp`` and ``mtp+ngram`` with an MTP head;
+    ``dflash`` with a DFlash drafter model attached (``--draft-model``)."""
+    drafters = ["ngram"]
     if getattr(model, "__dict__", {}).get("mtp_head") is not None:
-        return ["ngram", "mtp", "mtp+ngram"]
-    return ["ngram"]
+        drafters += ["mtp", "mtp+ngram"]
+    if attached_draft_model(model) is not None:
+        drafters.append("dflash")
+    return drafters
+
+
+def draft_lengths(model, draft: str, quick: bool) -> List[int]:
+    """The fixed draft lengths ``draft`` is checked at: a block drafter's
+    cut to its block (it drafts at most ``block_size - 1`` tokens)."""
+    lengths = QUICK_DRAFT_LENGTHS if quick else FULL_DRAFT_LENGTHS
+    if draft == "dflash":
+        most = attached_draft_model(model).config.block_size - 1
+        return sorted({min(k, most) for k in lengths})
+    return list(lengths)
 
 
 def check_lossless(
@@ -40,7 +55,6 @@ def check_lossless(
     progress: Optional[Callable[[], None]] = None,
 ) -> Part:
     drafters = available_drafters(model)
-    lengths = QUICK_DRAFT_LENGTHS if quick else FULL_DRAFT_LENGTHS
     plain_runs = 1 if quick else 2  # two also show whether plain decoding repeats
     rows = []
     for w in prompts:
@@ -49,7 +63,7 @@ def check_lossless(
             for _ in range(plain_runs)
         ]
         for draft in drafters:
-            for k in lengths:
+            for k in draft_lengths(model, draft, quick):
                 spec = run_spec(
                     model, tokenizer, w["prompt"], w["max_tokens"], draft, k
                 )
@@ -78,7 +92,8 @@ def check_lossless(
                         name, FAIL, f"differs from plain from token {at}: {MEANING}"
                     )
                 progress and progress()
-    part.facts.update(drafters=drafters, draft_lengths=list(lengths), runs=rows)
+    lengths = sorted({k for d in drafters for k in draft_lengths(model, d, quick)})
+    part.facts.update(drafters=drafters, draft_lengths=lengths, runs=rows)
     return part.settle(
         f"{len(rows)} greedy runs ({', '.join(drafters)}; k = "
         f"{', '.join(map(str, lengths))}) gave plain decoding's tokens"
@@ -87,5 +102,7 @@ def check_lossless(
 
 def lossless_steps(model, prompts: List[dict], quick: bool) -> int:
     """How many runs :func:`check_lossless` reports progress for."""
-    lengths = QUICK_DRAFT_LENGTHS if quick else FULL_DRAFT_LENGTHS
-    return len(prompts) * len(available_drafters(model)) * len(lengths)
+    per_prompt = sum(
+        len(draft_lengths(model, d, quick)) for d in available_drafters(model)
+    )
+    return len(prompts) * per_prompt

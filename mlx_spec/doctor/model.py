@@ -1,5 +1,6 @@
-"""The doctor's model part: what was loaded and whether its MTP head is
-this model's and works.
+"""The doctor's model part: what was loaded, whether its MTP head is this
+model's and works, and the DFlash drafter model ``--draft-model`` names (its
+config's target layers and block, its identity), loaded for the target.
 
 Loading goes through the commands' loader (:mod:`mlx_spec.model_files`:
 repo ids, every file checked and named); the head's provenance is what discovery recorded on the model
@@ -28,6 +29,7 @@ from ..models.fingerprint import (
     signature_from_text,
     weight_signature,
 )
+from ..models.identity import draft_model_fingerprint
 from ..models.mtp import mtp_report
 from ..models.mtp.head import text_args, text_model
 from ..models.mtp.weights import SIGNATURE_KEY
@@ -183,9 +185,55 @@ def check_head(part: Part, model, tokenizer) -> None:
         )
 
 
-def check_model(part: Part, name: Optional[str], revision=None):
-    """Load the model and describe it; the (path, model, tokenizer) loaded,
-    or None when it could not be (the part then says why)."""
+def check_drafter(part: Part, model, name: str, quantize: Optional[int] = None):
+    """Load the DFlash drafter ``name`` (a path or repo id) for ``model`` and
+    attach it (``dflash`` is then checked and measured with the other
+    drafters); one that cannot be loaded or does not fit fails this check on
+    one line, and the model stays usable with its other drafters."""
+    from ..loading import use_draft_model
+
+    facts = {"requested": str(name), "quantize": quantize}
+    part.facts["draft_model"] = facts
+    try:
+        drafter = use_draft_model(model, name, quantize=quantize)
+    except Exception as e:
+        if isinstance(e, (InputError, OSError)):  # it names the file or field
+            why = " ".join(str(e).split())
+        else:
+            why = f"{name}: {one_line(e)}"
+        part.check("drafter", FAIL, why)
+        return
+    config = drafter.config
+    files = getattr(drafter, "source_files", ())
+    facts.update(
+        path=str(Path(files[0]).parent) if files else str(name),
+        layers=int(config.num_hidden_layers),
+        target_layer_ids=[int(i) for i in config.target_layer_ids],
+        block_size=int(config.block_size),
+        mask_token_id=int(config.mask_token_id),
+        identity=draft_model_fingerprint(drafter),
+        draft_memory_gb=round(_nbytes(drafter) / 1e9, 4),
+    )
+    bits = f"{quantize}-bit in memory" if quantize else "as stored"
+    part.check(
+        "drafter",
+        PASS,
+        f"DFlash drafter {name}: {facts['layers']} layers reading target layers "
+        f"{facts['target_layer_ids']}, block {facts['block_size']}, {bits}, "
+        f"identity {facts['identity'][:12]}",
+    )
+
+
+def check_model(
+    part: Part,
+    name: Optional[str],
+    revision=None,
+    draft_model: Optional[str] = None,
+    draft_quantize: Optional[int] = None,
+):
+    """Load the model (and ``draft_model``, a DFlash drafter for it) and
+    describe it; the (path, model, tokenizer) loaded, or None when the model
+    could not be (the part then says why)."""
     part.facts["requested"] = name or "the bundled demo model"
     try:
         path, model, tokenizer = load_for_doctor(name, revision)
@@ -196,18 +244,30 @@ def check_model(part: Part, name: Optional[str], revision=None):
     part.check("load", PASS, f"loaded {path}")
     # A model that loaded is returned whatever its description gives, so
     # that the parts after this one still run on it.
-    for step, body in (
+    steps = [
         ("describe", lambda: describe_model(part, path, model)),
         ("head checks", lambda: check_head(part, model, tokenizer)),
-    ):
+    ]
+    if draft_model is not None:
+        steps.append(
+            ("drafter", lambda: check_drafter(part, model, draft_model, draft_quantize))
+        )
+    for step, body in steps:
         try:
             body()
         except Exception as e:
             part.check(step, FAIL, f"the check itself failed: {one_line(e)}")
+    drafter = part.facts.get("draft_model", {})
     part.settle(
         f"{part.facts.get('model_type', '?')}, "
         f"{sum(part.facts.get('layers', {}).values())} layers, "
         f"{part.facts.get('quantization', '?')}, "
         f"{part.facts.get('model_memory_gb', 0):.3g} GB"
+        + (
+            f"; DFlash drafter of {drafter['layers']} layers, block "
+            f"{drafter['block_size']}"
+            if "identity" in drafter
+            else ""
+        )
     )
     return path, model, tokenizer

@@ -44,6 +44,19 @@ def markdown(report: dict) -> str:
         f"- versions: mlx-spec {plat.get('mlx_spec', '?')}, MLX {plat.get('mlx', '?')}, "
         f"mlx-lm {plat.get('mlx_lm', '?')}, Python {plat.get('python', '?')}",
         f"- model: {model.get('requested', '?')} ({model.get('model_type', 'not loaded')})",
+    ]
+    drafter = model.get("draft_model")
+    if drafter:
+        lines.append(
+            f"- drafter: {drafter['requested']} "
+            + (
+                f"(DFlash, target layers {drafter['target_layer_ids']}, block "
+                f"{drafter['block_size']}, identity {drafter['identity'][:12]})"
+                if "identity" in drafter
+                else "(not loaded)"
+            )
+        )
+    lines += [
         "",
         "| part | status | summary |",
         "|---|---|---|",
@@ -74,7 +87,13 @@ def markdown(report: dict) -> str:
         lines += [
             "",
             f"recommended: --draft {rec['draft']} --num-draft-tokens "
-            f"{rec['num_draft_tokens']}, kernels {rec['kernels']}",
+            f"{rec['num_draft_tokens']}"
+            + (
+                f" --draft-model {drafter['requested']}"
+                if rec["draft"] == "dflash" and drafter
+                else ""
+            )
+            + f", kernels {rec['kernels']}",
         ]
     return "```markdown\n" + "\n".join(lines) + "\n```"
 

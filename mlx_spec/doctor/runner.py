@@ -31,10 +31,15 @@ def run_doctor(
     json_path: Optional[str] = None,
     revision: Optional[str] = None,
     announce=None,
+    draft_model: Optional[str] = None,
+    draft_quantize: Optional[int] = None,
 ) -> dict:
     """The report (see docs/doctor.md). ``json_error``: why ``json_path``
     cannot be written (checked by the caller before the long parts);
-    ``announce(part)`` is called as each part finishes."""
+    ``announce(part)`` is called as each part finishes. ``draft_model``: a
+    DFlash drafter (path or repo id, ``draft_quantize`` 4 or 8 bits in
+    memory) named by the model part, and ``dflash`` checked and measured
+    beside the other drafters."""
     tic = time.perf_counter()
     announce = announce or (lambda part: None)
     parts = {}
@@ -45,7 +50,14 @@ def run_doctor(
 
     done(run_part("platform", check_platform))
     loaded = {}
-    done(run_part("model", lambda p: loaded.update(r=check_model(p, model, revision))))
+    done(
+        run_part(
+            "model",
+            lambda p: loaded.update(
+                r=check_model(p, model, revision, draft_model, draft_quantize)
+            ),
+        )
+    )
     triple = loaded.get("r")
     kernels_help = None
     if triple is None:
@@ -89,6 +101,7 @@ def run_doctor(
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "quick": bool(quick),
         "model": model,
+        "draft_model": None if draft_model is None else str(draft_model),
         "seconds": round(time.perf_counter() - tic, 2),
         "status": FAIL if any(p.status == FAIL for p in parts.values()) else PASS,
         "parts": {name: parts[name].to_json() for name in PARTS},

@@ -32,6 +32,9 @@ in one pass and the drafter is told what was kept.
     run its rows' heads as one forward.
   - :class:`ReadsFeatures`: its hidden states are the outputs of target
     layers a tap on the model records, not the post-norm state.
+  - :class:`TakesPromptInPieces`: it reads every row of a prompt and takes
+    a prompt fed in chunks chunk by chunk, with the same result as in one
+    piece (the sequence then holds no chunk's rows for it).
 
 The engine's values have one type each: a draft is a :class:`Proposal`
 (tokens ``mx.array`` [m] uint32, m <= k, lazy when made on the device; its
@@ -228,6 +231,17 @@ class ReadsFeatures(Protocol):
     reads_features: bool
 
 
+@runtime_checkable
+class TakesPromptInPieces(Protocol):
+    """A drafter that reads every row of a prompt and takes the chunks of a
+    prompt fed in chunks (``feed(..., more=True)``) one by one, as they are
+    computed, with the same result as from one piece (the dflash drafter's
+    context). The sequence hands it each chunk at once and evaluates its
+    arrays, so that a long prompt's rows are never all held."""
+
+    takes_prompt_in_pieces: bool
+
+
 # -- the optional contracts' defaults, for a drafter without them ----------------
 _IMPLEMENTS: Dict[Tuple[type, type], bool] = {}
 
@@ -255,6 +269,13 @@ def reads_features(drafter: Optional[Drafter]) -> bool:
     if drafter is None or not implements(drafter, ReadsFeatures):
         return False
     return bool(drafter.reads_features)
+
+
+def takes_prompt_in_pieces(drafter: Optional[Drafter]) -> bool:
+    """Whether ``drafter`` takes a chunked prompt chunk by chunk."""
+    if drafter is None or not implements(drafter, TakesPromptInPieces):
+        return False
+    return bool(drafter.takes_prompt_in_pieces)
 
 
 def can_draft(drafter: Drafter) -> bool:

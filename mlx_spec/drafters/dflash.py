@@ -32,7 +32,12 @@ from ..models.dflash.capture import attach_tap, tap_of
 from ..models.dflash.model import DFlashDraftModel
 from .contract import NO_PROPOSAL, DraftSite, Proposal
 
-__all__ = ["DFlashDrafter", "attach_draft_model", "draft_model_of"]
+__all__ = [
+    "DFlashDrafter",
+    "attach_draft_model",
+    "attached_draft_model",
+    "draft_model_of",
+]
 
 _ATTRIBUTE = "dflash_draft_model"  # where a target keeps its drafter model
 
@@ -64,9 +69,14 @@ def _tap(model, draft_model: DFlashDraftModel):
         attach_tap(model, layer_ids, on_demand=True)
 
 
+def attached_draft_model(model) -> Optional[DFlashDraftModel]:
+    """The drafter model attached to ``model``, or None."""
+    return getattr(model, "__dict__", {}).get(_ATTRIBUTE)
+
+
 def draft_model_of(model) -> DFlashDraftModel:
     """The drafter model attached to ``model``; a one-line error without one."""
-    draft_model = getattr(model, "__dict__", {}).get(_ATTRIBUTE)
+    draft_model = attached_draft_model(model)
     if draft_model is None:
         raise InputError(
             "draft 'dflash' needs a drafter model: draft_model= (a path, a "
@@ -90,14 +100,17 @@ class DFlashDrafter:
 
     Contracts (:mod:`.contract`): the core :class:`~.contract.Drafter`,
     :class:`~.contract.SamplesDrafts`, :class:`~.contract.KnowsEmpty`,
-    :class:`~.contract.KeepsArrays` (its context caches) and
-    :class:`~.contract.ReadsFeatures`.
+    :class:`~.contract.KeepsArrays` (its context caches),
+    :class:`~.contract.ReadsFeatures` and
+    :class:`~.contract.TakesPromptInPieces` (context taken in any chunks is
+    the context taken in one).
     ``last_draft_logits`` [m, V]: the logits each drafted token came from.
     """
 
     name = "dflash"
     needs_hidden = True
     reads_features = True  # the tap's features, not the post-norm state
+    takes_prompt_in_pieces = True  # a chunked prompt's features are not held
 
     def __init__(self, draft_model: DFlashDraftModel):
         self.model = draft_model

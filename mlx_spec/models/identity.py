@@ -19,8 +19,15 @@ identified by the bytes of its parameters in memory instead, hashed once per
 model object. Weights overwritten in memory in place with the same shapes
 (``model.load_weights`` of another checkpoint) are not seen: load such a model
 from its files.
+
+A DFlash drafter model is identified the same way (the files
+:func:`mlx_spec.load_drafter` read, or its parameters' bytes), with its
+config and the shapes its parameters have now (quantised in memory or not):
+a kept state holds the drafter's context, which another drafter of the
+same shapes would read as its own.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -208,4 +215,23 @@ def head_fingerprint(model) -> str:
     info = _state(model).get("mtp_info")
     if info is not None:  # the norm shift applied changes what the head computes
         digest.update(f"{info.layout}|{info.shift.add_one}".encode())
+    return digest.hexdigest()[:32]
+
+
+def draft_model_fingerprint(draft_model) -> str:
+    """A short exact hash of a DFlash drafter model (its config, its
+    parameters' names, shapes and types as used, and its weights: the files
+    it was loaded from or its parameters' bytes), or "" for None: a state
+    holding one drafter's context is not continued with another's."""
+    if draft_model is None:
+        return ""
+    config = getattr(draft_model, "config", None)
+    if dataclasses.is_dataclass(config):
+        fields = dataclasses.asdict(config)
+    else:
+        fields = vars(config) if config is not None else {}
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode())
+    # quantised in memory: the same files, other weights (bits, group size)
+    digest.update(_structure(draft_model).encode())
+    digest.update(_weights_identity(draft_model).encode())
     return digest.hexdigest()[:32]

@@ -6,7 +6,8 @@ caches). Before saving, the pending token is processed, so its first
 ``n_target`` entries are exactly the prompt cache plain decoding of the
 conversation would have: ``mlx_lm.models.cache.load_prompt_cache`` reads
 them. The metadata names the model (the identity of every byte of its
-weights, :mod:`mlx_spec.models.identity`) and the drafter. The file is
+weights, :mod:`mlx_spec.models.identity`), the DFlash drafter model attached
+to it (its context is in the file) and the drafter. The file is
 written to exactly the path given, whatever its suffix. Files of the first
 version named the model by its config and a few weight rows only, so that a
 fine-tune passed for its base: they are refused, with a message saying so.
@@ -15,7 +16,8 @@ fine-tune passed for its base: they are refused, with a message saying so.
 from pathlib import Path
 
 from .snapshot import capture, drafter_name
-from ..models.identity import model_fingerprint
+from ..drafters.dflash import attached_draft_model
+from ..models.identity import draft_model_fingerprint, model_fingerprint
 from .file import (
     check_writable,
     plain_state,
@@ -39,8 +41,13 @@ def save_session(path, session, model_name: str = ""):
         "format": FORMAT,
         "model": model_fingerprint(decoder.model),
         "model_name": str(model_name),
+        "draft_model": _draft_model(decoder.model),
     }
     write_state(path, plain_state(capture(decoder)), meta)
+
+
+def _draft_model(model) -> str:
+    return draft_model_fingerprint(attached_draft_model(model))
 
 
 def load_session(path, session, model_name: str = ""):
@@ -75,6 +82,18 @@ def load_session(path, session, model_name: str = ""):
             f"({header.get('model_name') or header.get('model')}), "
             f"not {model_name or 'this one'}"
         )
+    # A drafter's context is in the file: another drafter model of the same
+    # shapes would draft from it as if it were its own.
+    theirs = header.get("draft_model", "")  # files written before it: none
+    mine = _draft_model(decoder.model)
+    if header.get("format") == FORMAT and theirs != mine:
+        if not theirs:
+            which = "without a DFlash drafter model, and one is loaded now"
+        elif not mine:
+            which = "with a DFlash drafter model (--draft-model), and none is loaded"
+        else:
+            which = "with another DFlash drafter model than the one loaded now"
+        raise ValueError(f"{str(path)!r} was saved {which}")
     state, meta = read_state(real)  # its checksum covers the header too
     if meta.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not an mlx_spec session file")

@@ -6,8 +6,8 @@ A directory of its own holding state files (:mod:`mlx_spec.states.file`),
 one per state, named by a hash of the model's identity, the drafter and the
 tokens it holds (40 hex digits, ``.safetensors``). Each file's metadata says
 what it is: the format version, the model (the identity of every byte of its
-weights, its MTP head's and its tokenizer's), the drafter and the tokens
-(with their hash). Only the header of a file is read to know what it holds;
+weights, its MTP head's, its DFlash drafter model's and its tokenizer's), the
+drafter and the tokens (with their hash). Only the header of a file is read to know what it holds;
 a state is loaded only for a prompt that continues its tokens, only if
 everything matches, and only if its arrays fit the model. A file of another
 model or format, a truncated, damaged or misfitting one: skipped with one
@@ -46,7 +46,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .snapshot import DecoderState, check_loadable
 from ..models.fingerprint import tokenizer_fingerprint
-from ..models.identity import head_fingerprint, model_fingerprint
+from ..drafters.dflash import attached_draft_model
+from ..models.identity import (
+    draft_model_fingerprint,
+    head_fingerprint,
+    model_fingerprint,
+)
 from .file import (
     plain_state,
     read_metadata,
@@ -69,12 +74,18 @@ STALE_TEMP_S = 3600  # a temporary file this old is a crashed writer's
 @dataclass(frozen=True)
 class Identity:
     """What a state file must match to be continued: the format, the model,
-    its MTP head and its tokenizer."""
+    its MTP head, its DFlash drafter model and its tokenizer.
+
+    The drafter model counts for every state, whichever drafter made it: a
+    dflash state holds that drafter's context (another drafter of the same
+    shapes would read it as its own), and every state's hidden row carries
+    the features of the layers the drafter model taps."""
 
     model: str
     head: str
     tokenizer: str
     model_name: str = ""  # for messages only
+    draft_model: str = ""  # "" without a DFlash drafter model
 
     @classmethod
     def of(cls, model, tokenizer, model_name: str = "") -> "Identity":
@@ -83,6 +94,7 @@ class Identity:
             head_fingerprint(model),
             tokenizer_fingerprint(tokenizer),
             str(model_name),
+            draft_model_fingerprint(attached_draft_model(model)),
         )
 
     def metadata(self) -> Dict[str, str]:
@@ -92,6 +104,7 @@ class Identity:
             "head": self.head,
             "tokenizer": self.tokenizer,
             "model_name": self.model_name,
+            "draft_model": self.draft_model,
         }
 
     def mismatch(self, meta: Dict[str, str]) -> Optional[str]:
@@ -103,6 +116,13 @@ class Identity:
             return f"saved for another model or other weights ({name})"
         if meta.get("head") != self.head:
             return "saved with another MTP head"
+        theirs = meta.get("draft_model", "")  # files written before it: none
+        if theirs != self.draft_model:
+            if not theirs:
+                return "saved without a DFlash drafter model"
+            if not self.draft_model:
+                return "saved with a DFlash drafter model, and none is loaded"
+            return "saved with another DFlash drafter model"
         if meta.get("tokenizer") != self.tokenizer:
             return "saved with another tokenizer"
         return None
@@ -115,6 +135,8 @@ def tokens_hash(tokens: Sequence[int]) -> str:
 def file_name(identity: Identity, drafter: str, tokens: Sequence[int]) -> str:
     """The file of a state: the same state always has the same name."""
     key = f"{FORMAT}|{identity.model}|{identity.head}|{identity.tokenizer}|{drafter}|"
+    if identity.draft_model:  # without one, the names files always had
+        key += f"{identity.draft_model}|"
     digest = hashlib.sha256(key.encode())
     digest.update(array("I", tokens).tobytes())
     return digest.hexdigest()[:40] + ".safetensors"

@@ -2,6 +2,7 @@
 read by the next chat that begins with it."""
 
 import io
+import logging
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import pytest
 from mlx_spec.commands.chat import main
 from mlx_spec.states.store import STALE_TEMP_S
 from mlx_spec.testing.checkpoints import fine_tune_copy
+from mlx_spec.testing.dflash_drafters import write_dflash_checkpoint
 
 # A system prompt of well over SHARED_MIN tokens on the tiny checkpoints.
 SYSTEM = "You are a careful assistant. " * 12
@@ -138,3 +140,32 @@ def test_a_session_of_the_base_model_is_refused_for_its_fine_tune(
     assert "saved for another model or other weights" in err and str(session) in err
     replies, _, err = chat(base, ["b = 2"], "--prompt-cache-file", str(session), **run)
     assert err == "" and replies
+
+
+def test_a_state_kept_with_one_drafter_model_is_not_read_with_another(
+    checkpoint_dirs, tmp_path, monkeypatch, capsys, caplog
+):
+    """The system prompt's state kept by a chat with DFlash drafter A: a
+    chat with drafter B (same shapes, other weights) skips it with a warning
+    and prefills the whole prompt; a chat with A again reads it. Each
+    answers as a chat without the store does."""
+    model_dir, states = checkpoint_dirs["qwen3_5"], tmp_path / "states"
+    a = write_dflash_checkpoint(tmp_path / "a", "qwen3_5", seed=0)
+    b = write_dflash_checkpoint(tmp_path / "b", "qwen3_5", seed=1)
+    run = dict(monkeypatch=monkeypatch, capsys=capsys)
+
+    def chat_with(drafter, *flags):
+        lines = ["x = 3", "/stats"]
+        return chat(model_dir, lines, "--draft-model", str(drafter), *flags, **run)
+
+    store = ("--state-dir", str(states))
+    chat(model_dir, ["hello"], "--draft-model", str(a), *store, **run)
+    cold, (whole,), _ = chat_with(a)
+    caplog.set_level(logging.WARNING, "mlx_spec.states")
+    other, (with_b,), _ = chat_with(b, *store)
+    assert with_b == whole
+    said = [r.getMessage() for r in caplog.records]
+    assert any("another DFlash drafter model" in m for m in said), said
+    again, (with_a,), _ = chat_with(a, *store)
+    assert with_a < whole - 32
+    assert other[0] == again[0] == cold[0]

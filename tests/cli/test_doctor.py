@@ -1,8 +1,9 @@
 """``mlx_spec doctor``: the report's schema, each failure path reported as
 one line while the other parts still run, ``--quick`` on the demo model and
-on tiny checkpoints of every family, and negative controls (a broken kernel
-reference, a corrupted head, tokens that leave plain decoding's) reported as
-failing."""
+on tiny checkpoints of every family, a DFlash drafter (``--draft-model``)
+named, checked and measured, and negative controls (a broken kernel
+reference, a corrupted head, tokens that leave plain decoding's, a drafter
+that does not load) reported as failing."""
 
 import json
 import shutil
@@ -19,6 +20,7 @@ from mlx_spec.doctor import runner
 from mlx_spec.doctor.platform import blas_in_use
 from mlx_spec.kernels import attention as attn
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
+from mlx_spec.testing.dflash_drafters import write_dflash_checkpoint
 
 STATUSES = {"pass", "fail", "skip"}
 TOP = {
@@ -27,6 +29,7 @@ TOP = {
     "created": str,
     "quick": bool,
     "model": (str, type(None)),
+    "draft_model": (str, type(None)),
     "seconds": float,
     "status": str,
     "parts": dict,
@@ -539,3 +542,139 @@ def test_recommendations_follow_the_spread():
     assert settings(*slow) == ("none", 0)
     # a small gain at the low end is not worth a setting
     assert settings(_cell("ngram", [1.01, 1.1, 1.2])) == ("mtp+ngram", "auto")
+
+
+DRAFTER_FACTS = {
+    "requested": str,
+    "quantize": (int, type(None)),
+    "path": str,
+    "layers": int,
+    "target_layer_ids": list,
+    "block_size": int,
+    "mask_token_id": int,
+    "identity": str,
+    "draft_memory_gb": float,
+}
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory):
+    """A tiny random DFlash drafter for the qwen3_5 tiny target (block 4:
+    at most 3 drafts)."""
+    return write_dflash_checkpoint(tmp_path_factory.mktemp("doctor_dflash"), "qwen3_5")
+
+
+def test_a_drafter_model_is_named_checked_and_measured(
+    checkpoint_dirs, drafter_dir, tmp_path, capsys
+):
+    """``--draft-model``: the model part names the drafter (layers read,
+    block, identity: the one kept states key on), the lossless part runs
+    dflash against plain decoding at a draft inside its block, and the speed
+    part measures dflash at auto; the report is whole and passes."""
+    import mlx_spec
+    from mlx_spec.models.identity import draft_model_fingerprint
+
+    out = tmp_path / "doctor.json"
+    model_dir = checkpoint_dirs["qwen3_5"]
+    argv = ["--quick", "--model", str(model_dir), "--draft-model", str(drafter_dir)]
+    assert doctor_command.main(argv + ["--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    check_schema(report)
+    assert report["draft_model"] == str(drafter_dir)
+    assert report["status"] == "pass", statuses(report)
+    model = report["parts"]["model"]
+    drafter = model["facts"]["draft_model"]
+    has_types(drafter, DRAFTER_FACTS, "model.draft_model")
+    assert drafter["target_layer_ids"] == [0, 1] and drafter["block_size"] == 4
+    assert drafter["path"] == str(drafter_dir) and drafter["quantize"] is None
+    target, _ = mlx_spec.load(model_dir)
+    loaded = mlx_spec.load_drafter(drafter_dir, target)
+    assert drafter["identity"] == draft_model_fingerprint(loaded)
+    assert "DFlash drafter of 2 layers, block 4" in model["reason"]
+    lossless = report["parts"]["lossless"]["facts"]
+    assert lossless["drafters"] == ["ngram", "mtp", "mtp+ngram", "dflash"]
+    dflash = [r for r in lossless["runs"] if r["draft"] == "dflash"]
+    assert dflash and {r["num_draft_tokens"] for r in dflash} == {3}  # 4 cut to 3
+    assert all(r["first_differing_token"] is None for r in dflash)
+    speed = [r for r in report["parts"]["speed"]["facts"]["runs"]]
+    assert {r["draft"] for r in speed} == {"ngram", "mtp", "mtp+ngram", "dflash"}
+    block = text[text.index("```markdown") :]
+    assert f"- drafter: {drafter_dir} (DFlash, target layers [0, 1], block 4" in block
+    assert "| dflash |" in block
+
+
+def test_a_quantised_drafter_is_another_identity(checkpoint_dirs, drafter_dir):
+    """``--draft-quantize 8``: the drafter is quantised in memory, said in
+    its check, and its identity is not the stored drafter's."""
+    model_dir = str(checkpoint_dirs["qwen3_5"])
+    stored, eight = (
+        run_doctor(
+            model_dir, quick=True, draft_model=str(drafter_dir), draft_quantize=q
+        )
+        for q in (None, 8)
+    )
+    facts = [r["parts"]["model"]["facts"]["draft_model"] for r in (stored, eight)]
+    assert facts[1]["quantize"] == 8 and facts[0]["identity"] != facts[1]["identity"]
+    check = next(c for c in eight["parts"]["model"]["checks"] if c["name"] == "drafter")
+    assert check["status"] == "pass" and "8-bit in memory" in check["reason"]
+    assert eight["parts"]["lossless"]["status"] == "pass"
+
+
+@pytest.mark.parametrize("broken", ["missing", "mask_token_id"])
+def test_a_drafter_that_does_not_load_fails_alone_in_one_line(
+    checkpoint_dirs, tmp_path, broken
+):
+    """A drafter path that does not exist, or one that does not fit the
+    target: the model part fails naming it on one line, and the model is
+    still checked and measured with its other drafters."""
+    if broken == "missing":
+        path, named = tmp_path / "no-drafter", str(tmp_path / "no-drafter")
+    else:
+        path = write_dflash_checkpoint(tmp_path / "d", "qwen3_5", mask_token_id=None)
+        named = "mask_token_id"
+    report = run_doctor(
+        str(checkpoint_dirs["qwen3_5"]), quick=True, draft_model=str(path)
+    )
+    model = report["parts"]["model"]
+    assert model["status"] == "fail" and model["reason"].startswith("drafter: ")
+    assert named in model["reason"] and "\n" not in model["reason"]
+    assert "identity" not in model["facts"]["draft_model"]
+    assert report["parts"]["lossless"]["status"] == "pass"
+    assert report["parts"]["lossless"]["facts"]["drafters"] == [
+        "ngram",
+        "mtp",
+        "mtp+ngram",
+    ]
+    assert report["parts"]["speed"]["status"] == "pass"
+
+
+def test_dflash_tokens_leaving_plain_decoding_fail_losslessness(
+    checkpoint_dirs, drafter_dir, monkeypatch
+):
+    """The control: dflash's run made to differ from plain decoding at one
+    token fails the lossless part, naming dflash; the other drafters pass."""
+    real = lossless_part.run_spec
+
+    def dflash_off(model, tok, prompt, max_tokens, draft, k):
+        run = real(model, tok, prompt, max_tokens, draft, k)
+        if draft == "dflash":
+            run["tokens"][2] = (run["tokens"][2] + 1) % 400
+        return run
+
+    monkeypatch.setattr(lossless_part, "run_spec", dflash_off)
+    report = run_doctor(
+        str(checkpoint_dirs["qwen3_5"]), quick=True, draft_model=str(drafter_dir)
+    )
+    part = report["parts"]["lossless"]
+    assert part["status"] == "fail" and "/ dflash / k=3" in part["reason"]
+    failed = {
+        c["name"].split(" / ")[1] for c in part["checks"] if c["status"] == "fail"
+    }
+    assert failed == {"dflash"}
+
+
+def test_draft_quantize_without_a_drafter_is_one_line(capsys):
+    assert doctor_command.main(["--draft-quantize", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "mlx_spec doctor: --draft-quantize needs --draft-model"

@@ -14,6 +14,7 @@ import mlx_spec
 from mlx_spec import DecodeOptions, Session, SpecStats
 from mlx_spec.core import target as core_target
 from mlx_spec.core.batch import BatchDecoder, RowOptions
+from mlx_spec.core.sequence import SpeculativeDecoder
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.contract import Proposal
 from mlx_spec.drafters.dflash import DFlashDrafter, draft_model_of
@@ -320,6 +321,33 @@ def test_a_kept_state_is_restored_exactly(setup):
     arrays[0] = arrays[0][:, :, :-1]
     with pytest.raises(ValueError, match="draft layer 0"):
         Session(model, options, state=replace(state, drafter_arrays=arrays))
+
+
+def test_a_chunked_prompt_enters_the_context_chunk_by_chunk(setup):
+    """A prompt fed in chunks (as the server prefills one): each chunk's
+    features enter the drafter's context as the chunk is fed, none held to
+    the last chunk, and the context is then one feed's: the same next block."""
+    model, _, drafter_dir = setup
+    mlx_spec.loading.use_draft_model(model, str(drafter_dir))
+    prompt = prompts("random", n=70, seed=3)
+
+    def decoder():
+        return SpeculativeDecoder(
+            model, make_drafter("dflash", model), prefill_step_size=16
+        )
+
+    whole = decoder()
+    whole.feed(prompt)
+    chunked = decoder()
+    for start in range(0, len(prompt), 20):
+        chunk = prompt[start : start + 20]
+        chunked.feed(chunk, more=start + 20 < len(prompt))
+        assert not chunked._held
+        # every committed position: all fed but the pending last token
+        assert chunked.drafter.context_length == start + len(chunk) - 1
+    assert chunked.drafter.context_length == whole.drafter.context_length
+    want = block_logits(whole.drafter)
+    assert mx.allclose(block_logits(chunked.drafter), want, atol=1e-5)
 
 
 def test_server_rows_share_passes_and_each_equals_mlx_lm(setup):

@@ -2,6 +2,9 @@
 files (bf16, f16 or f32), every tensor checked against the module's shapes
 before any is used, optionally quantised in memory.
 
+The files read are recorded on the model (``models.identity``): kept
+states and chat sessions key on their contents.
+
 Files are untrusted input: a missing, unreadable or ill-shaped tensor is an
 :class:`~mlx_spec.errors.InputError` naming it, on one line.
 """
@@ -16,6 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ...errors import InputError, one_line
+from ..identity import record_sources, weight_files
 from .config import fit_to_target, parse_config
 from .model import DFlashDraftModel, target_dims
 
@@ -125,4 +129,7 @@ def load_dflash(
         quantize(model, quantize_bits)
     model.eval()
     mx.eval(model.parameters())
+    # Its identity (what kept states key on) is then its files' contents,
+    # with the parameters' shapes as quantised here.
+    record_sources(model, weight_files(directory))
     return model.bind(target)
