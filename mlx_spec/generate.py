@@ -2,7 +2,7 @@
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -236,16 +236,23 @@ def measure_for_auto(model, options: DecodeOptions, stats: SpecStats) -> None:
 def on_stream(stream, generator):
     """Run each step of ``generator`` (and its closing) with ``stream`` as the
     default stream."""
+    return steps_within(lambda: mx.stream(stream), generator)
+
+
+def steps_within(context: Callable, generator):
+    """What ``generator`` yields, each of its steps (and its closing) run
+    inside a fresh ``context()``, never across a ``yield``: the caller's code
+    between two items runs outside it."""
     try:
         while True:
-            with mx.stream(stream):
+            with context():
                 try:
                     item = next(generator)
                 except StopIteration:
                     return
             yield item
     finally:
-        with mx.stream(stream):
+        with context():
             generator.close()
 
 

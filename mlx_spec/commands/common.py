@@ -85,6 +85,11 @@ def add_draft_model_flags(parser: argparse.ArgumentParser):
         "given): a directory or a Hugging Face repo id holding its config.json "
         "and safetensors (e.g. z-lab's drafter for this model)."
     )
+    add_draft_quantize_flag(parser)
+
+
+def add_draft_quantize_flag(parser: argparse.ArgumentParser):
+    """``--draft-quantize``: the drafter quantised in memory."""
     parser.add_argument(
         "--draft-quantize",
         type=int,

@@ -11,7 +11,13 @@ import sys
 
 from ..doctor import run_doctor
 from ..doctor.report import format_part, markdown, write_json
-from .common import MODEL_HELP, CommandError, add_revision_flag, check_output_file
+from .common import (
+    MODEL_HELP,
+    CommandError,
+    add_draft_quantize_flag,
+    add_revision_flag,
+    check_output_file,
+)
 
 
 def setup_parser():
@@ -30,14 +36,7 @@ def setup_parser():
         "Face repo id): named in the model part, and --draft dflash checked "
         "for losslessness and measured with the other drafters.",
     )
-    p.add_argument(
-        "--draft-quantize",
-        type=int,
-        choices=(4, 8),
-        default=None,
-        help="Quantise the --draft-model drafter's linear layers in memory "
-        "to 4 or 8 bits (default: as stored).",
-    )
+    add_draft_quantize_flag(p)
     p.add_argument(
         "--json", help="Write the whole report, machine-readable, to this file."
     )

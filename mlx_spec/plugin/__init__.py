@@ -36,7 +36,7 @@ from typing import Any, Callable, Counter, Dict, List, Optional, Tuple, Union
 
 from ..core.policy_tuning import DEFAULT_TUNING
 from ..core.stats import SpecStats
-from ..generate import measure_for_auto, on_stream, options_of
+from ..generate import measure_for_auto, on_stream, options_of, steps_within
 from ..generate import stream_generate as spec_stream_generate
 from ..mlx_lm_compat import (
     MLX_LM_VERSION,
@@ -275,17 +275,7 @@ def _as_mlx_lm(generator):
     """What ``generator`` (mlx-lm's own ``stream_generate``) yields, each
     of its steps run with ``generate_step`` passing straight through to
     mlx-lm's."""
-    try:
-        while True:
-            with _running_mlx_lm():
-                try:
-                    item = next(generator)
-                except StopIteration:
-                    return
-            yield item
-    finally:
-        with _running_mlx_lm():
-            generator.close()
+    return steps_within(_running_mlx_lm, generator)
 
 
 @functools.wraps(plain_generate_step)
