@@ -25,17 +25,6 @@ import os
 import sys
 
 VARIABLE = "MLX_SPEC_PLUGIN"
-# The start-up file: its one line, exactly as shipped in the wheel and as
-# ``python -m mlx_spec.plugin --install-hook`` writes it (a test holds the
-# two equal). site runs a .pth line that starts with "import", in the
-# order of the file names: this one comes after setuptools'
-# "__editable__.*.pth", whose finder an editable install needs to import
-# this module.
-PTH_NAME = "mlx_spec_plugin.pth"
-PTH_LINE = (
-    'import os; os.environ.get("MLX_SPEC_PLUGIN", "0") not in ("", "0") and '
-    '__import__("_mlx_spec_hook").install()\n'
-)
 ON, OFF = ("1",), ("", "0")
 # The plugin is enabled when both have been imported: mlx-lm (what it
 # routes) and mlx-spec (a program that imports mlx_spec first imports mlx-lm
@@ -94,15 +83,9 @@ def _maybe_enable() -> None:
     except ValueError:
         pass
     try:
-        from mlx_spec.plugin import enable
-        from mlx_spec.plugin.__main__ import _num_draft_tokens
+        from mlx_spec.plugin import enable_from_environment
 
-        _plugin = enable(
-            draft=os.environ.get("MLX_SPEC_DRAFT", "auto"),
-            num_draft_tokens=_num_draft_tokens(
-                os.environ.get("MLX_SPEC_NUM_DRAFT_TOKENS", "auto")
-            ),
-        )
+        _plugin = enable_from_environment()
     except Exception as error:  # the program goes on with mlx-lm's code
         _warn(f"not enabled: {type(error).__name__}: {error}")
         return

@@ -29,6 +29,7 @@ import collections
 import contextlib
 import functools
 import inspect
+import os
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from .loading import ready_for_speculation
 
 __all__ = [
     "enable",
+    "enable_from_environment",
     "disable",
     "is_enabled",
     "report",
@@ -137,6 +139,24 @@ def enable(
         plugin._replaced = _install(_active._replaced if _active else [])
         _active = plugin
     return plugin
+
+
+def enable_from_environment(environ: Optional[Dict[str, str]] = None) -> Plugin:
+    """:func:`enable` with the options of the environment (``environ``,
+    default ``os.environ``), as the plugin's command and its switch take
+    them: ``MLX_SPEC_DRAFT`` (default ``auto``) and
+    ``MLX_SPEC_NUM_DRAFT_TOKENS`` (``auto`` or an integer; anything else is
+    a ``ValueError`` naming the variable)."""
+    environ = os.environ if environ is None else environ
+    text = environ.get("MLX_SPEC_NUM_DRAFT_TOKENS", "auto")
+    if text != "auto" and not text.isdigit():
+        raise ValueError(
+            f"MLX_SPEC_NUM_DRAFT_TOKENS must be 'auto' or an integer, got {text!r:.40}"
+        )
+    return enable(
+        draft=environ.get("MLX_SPEC_DRAFT", "auto"),
+        num_draft_tokens=text if text == "auto" else int(text),
+    )
 
 
 def _is_auto(draft) -> bool:

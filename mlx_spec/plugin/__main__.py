@@ -13,11 +13,21 @@ import sys
 import sysconfig
 from typing import List, Optional
 
-from _mlx_spec_hook import PTH_LINE, PTH_NAME
-
 from ..errors import one_line
 from ..mlx_lm_compat import PLUGIN_COMMANDS, command_main
-from . import enable, report
+from . import enable_from_environment, report
+
+# The start-up file: its one line, exactly as shipped in the wheel and as
+# --install-hook writes it (a test holds the two equal); it imports the hook
+# (_mlx_spec_hook) only when the switch is on. site runs a .pth line that
+# starts with "import", in the order of the file names: this one comes after
+# setuptools' "__editable__.*.pth", whose finder an editable install needs
+# to import the hook.
+PTH_NAME = "mlx_spec_plugin.pth"
+PTH_LINE = (
+    'import os; os.environ.get("MLX_SPEC_PLUGIN", "0") not in ("", "0") and '
+    '__import__("_mlx_spec_hook").install()\n'
+)
 
 USAGE = (
     "usage: python -m mlx_spec.plugin {" + ",".join(PLUGIN_COMMANDS) + "} [ARGS...]\n"
@@ -73,14 +83,6 @@ def remove_hook() -> int:
     return 0
 
 
-def _num_draft_tokens(text: str):
-    if text == "auto" or text.isdigit():
-        return "auto" if text == "auto" else int(text)
-    raise ValueError(
-        f"MLX_SPEC_NUM_DRAFT_TOKENS must be 'auto' or an integer, got {text!r:.40}"
-    )
-
-
 def _exit_on_terminate(signum, frame):
     # A server is stopped by SIGTERM: leaving through SystemExit lets the
     # report below be printed.
@@ -99,12 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: unknown command {name!r:.80}\n{USAGE}", file=sys.stderr)
         return 2
     try:
-        plugin = enable(
-            draft=os.environ.get("MLX_SPEC_DRAFT", "auto"),
-            num_draft_tokens=_num_draft_tokens(
-                os.environ.get("MLX_SPEC_NUM_DRAFT_TOKENS", "auto")
-            ),
-        )
+        plugin = enable_from_environment()
     except ValueError as error:
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 2

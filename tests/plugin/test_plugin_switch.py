@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import _mlx_spec_hook
 from mlx_spec.plugin import __main__ as command
 from mlx_spec.testing.plugin_commands import PROMPT, generate_args
 from mlx_spec.testing.server import completion, free_port, running_server
@@ -45,7 +44,7 @@ def site_dir(tmp_path):
     folder, startup = tmp_path / "site", tmp_path / "startup"
     folder.mkdir()
     startup.mkdir()
-    shutil.copy(ROOT / _mlx_spec_hook.PTH_NAME, folder)
+    shutil.copy(ROOT / command.PTH_NAME, folder)
     (startup / "sitecustomize.py").write_text(
         f"import site\nsite.addsitedir({str(folder)!r})\n"
     )
@@ -70,8 +69,8 @@ def python(site_dir, *argv, switch=None, extra_env=None, timeout=300):
 
 
 def test_the_shipped_file_is_the_line_the_command_writes():
-    shipped = (ROOT / _mlx_spec_hook.PTH_NAME).read_text()
-    assert shipped == _mlx_spec_hook.PTH_LINE
+    shipped = (ROOT / command.PTH_NAME).read_text()
+    assert shipped == command.PTH_LINE
     assert shipped.startswith("import ") and shipped.count("\n") == 1
 
 
@@ -177,11 +176,11 @@ def test_a_program_that_never_generates_prints_nothing(site_dir):
 
 
 def test_install_and_remove_hook_touch_only_their_own_file(tmp_path, monkeypatch):
-    path = tmp_path / _mlx_spec_hook.PTH_NAME
+    path = tmp_path / command.PTH_NAME
     monkeypatch.setattr(command, "_hook_path", lambda: str(path))
     assert command.remove_hook() == 0 and not path.exists()
     assert command.install_hook() == 0
-    assert path.read_text() == _mlx_spec_hook.PTH_LINE
+    assert path.read_text() == command.PTH_LINE
     assert command.install_hook() == 0  # again: unchanged
     assert command.remove_hook() == 0 and not path.exists()
     path.write_text("import something_else\n")  # another's file of that name
@@ -208,7 +207,7 @@ def test_the_build_puts_the_file_at_the_wheels_root(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    assert (build / _mlx_spec_hook.PTH_NAME).read_text() == _mlx_spec_hook.PTH_LINE
+    assert (build / command.PTH_NAME).read_text() == command.PTH_LINE
     assert (build / "_mlx_spec_hook.py").is_file()
     assert (build / "mlx_spec" / "plugin" / "__init__.py").is_file()
 
