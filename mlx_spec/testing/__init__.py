@@ -7,7 +7,10 @@ models without a model hub. No runtime module of mlx_spec imports it.
   with ``mtp.*`` tensors, deterministic from a seed;
 - ``tokenizer.py``: the tiny byte-level BPE tokenizer they ship;
 - ``mtp_heads.py``: checkpoints whose MTP head predicts well;
-- ``dflash_drafters.py``: tiny random DFlash drafters for each tiny target;
+- ``dflash_drafters.py``: tiny random DFlash drafters for each tiny target,
+  and one built to propose a cycle target's next token;
+- ``dflash_reference.py``: z-lab's own DFlash draft model and decode loop
+  (the optional ``dflash`` package) run on our checkpoints;
 - ``reference.py``: prompts, mlx-lm reference decoding, an oracle drafter.
 - ``agent_checkpoint.py``: a checkpoint with a chat template that thinks and
   calls a tool (agent clients' round trips);

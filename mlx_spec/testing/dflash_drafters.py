@@ -5,6 +5,8 @@ from a seed: one fits the tiny target of each family (the hybrid families of
 :func:`write_dflash_checkpoint` writes ``config.json`` and
 ``model.safetensors``; ``config`` overrides (``None`` deletes a field) and
 ``drop`` / ``reshape`` make the broken checkpoints the refusal tests need.
+:func:`write_successor_drafter` writes a built (not random) drafter whose
+drafts a cycle target accepts now and then.
 """
 
 import json
@@ -161,3 +163,62 @@ def random_features(
     rng = np.random.default_rng(seed)
     shape = (rows, positions, n * config["hidden_size"])
     return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+
+def write_successor_drafter(
+    path: Union[str, pathlib.Path],
+    target,
+    family: str = "qwen3_5",
+    *,
+    block_size: int = 4,
+    gain: float = 1e4,
+) -> pathlib.Path:
+    """Write a one-layer drafter for ``target`` (``family``'s tiny target,
+    loaded) whose every block position proposes the target's bigram successor
+    of the pending token, ``argmax(lm_head(embed(pending)))``.
+
+    With a cycle target (``mtp_heads.write_cycle_checkpoint``: ``lm_head[next(t)]
+    = embed[t]``) the first draft is right whenever the target follows its
+    cycle, and the later ones repeat it, so they are wrong: a block of 4 accepts
+    one draft or none each pass, a block of 2 all or none. Built, not random:
+
+    - ``fc = 0``: the context vectors are zero, so are their keys and values;
+    - ``q_proj = k_proj = 0``: every position attends to every key equally;
+    - ``v_proj = gain · (I - u uᵀ)``, ``u`` the unit direction of the mask
+      token's normalised embedding: mask positions carry no value, so the
+      attention output is the pending token's normalised embedding (less its
+      part along ``u``) over the number of keys;
+    - ``o_proj = I``, ``down_proj = 0``, norms 1: ``h`` at a mask position is
+      the mask's embedding plus that output, dominated by it when ``gain`` is
+      large against the context length (1e4: a few hundred positions).
+
+    Needs ``num_attention_heads · head_dim == hidden_size`` (4 · 16 for the
+    tiny targets) so that ``v_proj`` and ``o_proj`` are square."""
+    config = dflash_config(
+        family,
+        num_hidden_layers=1,
+        block_size=block_size,
+        target_layer_ids=(1,),
+        num_key_value_heads=4,
+    )
+    H = config["hidden_size"]
+    if config["num_attention_heads"] * config["head_dim"] != H:
+        raise ValueError(f"{family}: heads · head_dim must equal hidden size {H}")
+    embed = getattr(target, "language_model", target).model.embed_tokens
+    mask = config["dflash_config"]["mask_token_id"]
+    e = np.array(embed(mx.array([mask])).astype(mx.float32))[0]
+    u = e / np.linalg.norm(e)
+    tensors = {
+        name: np.ones(shape) if name.endswith("norm.weight") else np.zeros(shape)
+        for name, shape in tensor_shapes(config).items()
+    }
+    tensors["layers.0.self_attn.v_proj.weight"] = gain * (np.eye(H) - np.outer(u, u))
+    tensors["layers.0.self_attn.o_proj.weight"] = np.eye(H)
+    out = pathlib.Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(
+        str(out / "model.safetensors"),
+        {k: mx.array(v.astype(np.float32)) for k, v in sorted(tensors.items())},
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

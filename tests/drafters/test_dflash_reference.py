@@ -8,8 +8,6 @@ requests that would replace the user's): install it with
 ``pip install --no-deps dflash==0.1.0`` to run these tests.
 """
 
-import json
-
 import mlx.core as mx
 import pytest
 
@@ -18,9 +16,13 @@ from mlx_spec.loading import load_drafter
 from mlx_spec.testing.checkpoints import write_tiny_checkpoint
 from mlx_spec.testing.dflash_drafters import random_features, write_dflash_checkpoint
 
-reference = pytest.importorskip(
+pytest.importorskip(
     "dflash.model_mlx",
     reason="z-lab's dflash package is absent (pip install --no-deps dflash==0.1.0)",
+)
+
+from mlx_spec.testing.dflash_reference import (  # noqa: E402 (after the skip)
+    reference_draft_model,
 )
 
 # Both compute in float32 with the same MLX ops in the same order; what may
@@ -44,41 +46,10 @@ def target(tmp_path_factory):
     return mlx_spec.load(path)[0]
 
 
-def _reference_model(path, target):
-    """z-lab's model for the checkpoint at ``path``, built from its config
-    as z-lab's loader builds it (its loader itself only takes repo ids)."""
-    cfg = json.loads((path / "config.json").read_text())
-    dflash = cfg["dflash_config"]
-    layers = cfg["num_hidden_layers"]
-    config = reference.DFlashConfig(
-        hidden_size=cfg["hidden_size"],
-        num_hidden_layers=layers,
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"],
-        head_dim=cfg["head_dim"],
-        intermediate_size=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        rms_norm_eps=cfg["rms_norm_eps"],
-        rope_theta=cfg["rope_theta"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        block_size=dflash["block_size"],
-        target_layer_ids=tuple(dflash["target_layer_ids"]),
-        num_target_layers=cfg["num_target_layers"],
-        mask_token_id=dflash["mask_token_id"],
-        layer_types=tuple(cfg.get("layer_types") or ["full_attention"] * layers),
-        sliding_window=cfg.get("sliding_window"),
-        is_causal=cfg.get("is_causal"),
-    )
-    model = reference.DFlashDraftModel(config)
-    model.load_weights(list(mx.load(str(path / "model.safetensors")).items()))
-    model.eval()
-    return model.bind(target), cfg
-
-
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_the_same_draft_logits_as_z_labs_model(tmp_path, target, layout):
     path = write_dflash_checkpoint(tmp_path, "qwen3_5", block_size=6, **LAYOUTS[layout])
-    theirs, config = _reference_model(path, target)
+    theirs, config = reference_draft_model(path, target)
     ours = load_drafter(path, target)
     block = ours.block(mx.array([5, 21]))
     features = random_features(config, 11, rows=2)
@@ -95,7 +66,7 @@ def test_the_same_drafts_as_z_labs_model_over_a_growing_context(
     """Three drafts, each adding the context positions committed since the
     last, as both loops run them."""
     path = write_dflash_checkpoint(tmp_path, "qwen3_5", **LAYOUTS[layout])
-    theirs, config = _reference_model(path, target)
+    theirs, config = reference_draft_model(path, target)
     ours = load_drafter(path, target)
     features = random_features(config, 17)
     their_cache, our_cache = theirs.make_cache(), ours.make_cache()
