@@ -20,11 +20,16 @@ package (``pip install --no-deps dflash==0.1.0``).
 
 import mlx_lm
 import pytest
+from mlx_lm.models import qwen3_5
 
 import mlx_spec
 from mlx_spec import SpecStats
 from mlx_spec.models.dflash.capture import detach_tap
-from mlx_spec.testing.dflash_drafters import write_successor_drafter
+from mlx_spec.testing.checkpoints import write_tiny_checkpoint
+from mlx_spec.testing.dflash_drafters import (
+    write_dflash_checkpoint,
+    write_successor_drafter,
+)
 from mlx_spec.testing.mtp_heads import cycle_order, write_cycle_checkpoint
 from mlx_spec.testing.reference import (
     prompts,
@@ -75,6 +80,21 @@ def test_z_labs_loop_cannot_roll_back_our_verify_layers(loads):
     """Why its loop gets its own plain load: the control for the check above."""
     ours, *_ = loads
     assert "GatedDeltaNet" in reference_loop_gap(ours)
+
+
+def test_z_labs_loop_stops_on_qwen3_next(tmp_path):
+    """Why only mlx-spec's loop is checked on qwen3_next: z-lab's stops at its
+    first rollback, asserting that every recurrent layer is qwen3_5's."""
+    path = write_tiny_checkpoint(tmp_path / "target", "qwen3_next")
+    model, tok = mlx_lm.load(str(path))
+    assert "Qwen3NextGatedDeltaNet" in reference_loop_gap(model)
+    draft, _ = reference_draft_model(
+        write_dflash_checkpoint(tmp_path / "drafter", "qwen3_next"), model
+    )
+    call = qwen3_5.GatedDeltaNet.__call__
+    with pytest.raises(AssertionError, match="non-trimmable cache count"):
+        run_reference_loop(model, draft, tok, prompts("mixed"), MAX_TOKENS)
+    assert qwen3_5.GatedDeltaNet.__call__ is call  # its patch undone
 
 
 @pytest.mark.parametrize("block_size", [2, 4])
