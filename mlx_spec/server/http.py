@@ -35,8 +35,8 @@ from .events import CutShort
 from .guard import guard_middleware
 from .kept_responses import KeptResponses
 from .limits import ClientLimits, h11_protocol
-from .requests import RequestError, ServerContext, completion_echo, field
-from .requests import openai_request
+from .openai import completion_echo, openai_request
+from .requests import RequestError, ServerContext, field
 from .response_output import ResponseOutput
 from .responses import responses_request
 from .wire import MAX_BODY_BYTES, ClientGone, error_response, json_response
