@@ -1,29 +1,73 @@
-"""What the commands share: the drafting flags added to mlx-lm's parsers, bad
-input reported as one line with exit status 2, loading a model (every failure
-to load named by its directory or file), and the sampler and logits
-processors their flags ask for."""
+"""What the commands share: the drafting and model flags added to mlx-lm's
+parsers, the pipeline joined, the end-of-sequence tokens, input read and
+output files checked. Bad input (:mod:`.command_errors`), the sampling flags
+(:mod:`.sampling_flags`) and the state directory's flags
+(:mod:`.state_dir_flags`) have modules of their own; their names are
+re-exported here for the commands that import them from this module."""
 
 import argparse
-import functools
-import math
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 
-from ..core.sampling import make_sampler, xtc_special_tokens
 from ..core.state import ROLLBACK_STRATEGIES
 from ..drafters import draft_names
 from ..drafters.base import MAX_DRAFT_TOKENS
-from ..errors import InputError, reported_as
-from ..mlx_lm_compat import PENALTIES, make_logits_processors
 from ..models.pipeline import shared_seed
 from ..session import DecodeOptions
-from ..states.store import DEFAULT_DIR, StateStore, check_state_dir
+from .command_errors import BAD_INPUT, CommandError, bad_input, command
+from .sampling_flags import (
+    MAX_SEED,
+    add_penalty_flags,
+    check_run_flags,
+    check_sampling_flags,
+    check_seed,
+    logits_processors_from_flags,
+    sampler_from_flags,
+)
+from .state_dir_flags import (
+    add_state_dir_flags,
+    byte_size,
+    check_state_dir_flags,
+    open_state_store,
+)
 
-BAD_INPUT = 2  # exit status, as argparse uses for bad flags
+__all__ = [
+    # this module's
+    "draft_length",
+    "add_draft_options",
+    "add_draft_model_flags",
+    "add_draft_quantize_flag",
+    "attach_draft_model",
+    "decode_options",
+    "add_revision_flag",
+    "MODEL_HELP",
+    "add_pipeline_flag",
+    "join_pipeline",
+    "add_speculation_flags",
+    "refuse_unsupported",
+    "add_extra_eos_tokens",
+    "read_text",
+    "check_output_file",
+    # re-exported from the modules above, for the commands that import them here
+    "BAD_INPUT",
+    "CommandError",
+    "bad_input",
+    "command",
+    "MAX_SEED",
+    "add_penalty_flags",
+    "check_run_flags",
+    "check_sampling_flags",
+    "check_seed",
+    "logits_processors_from_flags",
+    "sampler_from_flags",
+    "add_state_dir_flags",
+    "byte_size",
+    "check_state_dir_flags",
+    "open_state_store",
+]
 
 
 def draft_length(value: str):
@@ -196,135 +240,6 @@ def refuse_unsupported(args, flags):
             raise CommandError(f"{flag} is not supported with speculative decoding")
 
 
-class CommandError(InputError):
-    """Bad input to a command: printed as one line, exit status 2."""
-
-
-def command(prog: str):
-    """Decorate a command's ``main(argv)``: an :class:`~mlx_spec.errors.InputError`
-    it raises (a :class:`CommandError`, or the library's own, e.g. a model
-    that cannot be opened) is printed as ``prog: message`` on stderr and
-    returned as exit status 2."""
-
-    def decorate(main):
-        @functools.wraps(main)
-        def run(argv=None):
-            try:
-                return main(argv)
-            except InputError as e:
-                print(f"{prog}: {e}", file=sys.stderr)
-                return BAD_INPUT
-
-        return run
-
-    return decorate
-
-
-def bad_input(*errors):
-    """Report ``errors`` (default: ``ValueError``) raised in the block as bad input."""
-    return reported_as(CommandError, *errors)
-
-
-def check_sampling_flags(args):
-    """:class:`CommandError` naming the first sampling flag out of range
-    (checked before the model loads). A ``--top-k`` of at least the
-    vocabulary size keeps every token, as it does in the server."""
-    if not (math.isfinite(args.temp) and args.temp >= 0):
-        raise CommandError(f"--temp must be >= 0, got {args.temp}")
-    for name, low, high in (
-        ("top_p", 0, 1),
-        ("min_p", 0, 1),
-        ("xtc_probability", 0, 1),
-        ("xtc_threshold", 0, 0.5),
-    ):
-        value = getattr(args, name, None)
-        if value is not None and not low <= value <= high:  # NaN is neither
-            raise CommandError(f"{_flag(name)} must be in {low}..{high}, got {value}")
-    if getattr(args, "top_k", 0) < 0:
-        raise CommandError(f"--top-k must be >= 0 (0: off), got {args.top_k}")
-    if getattr(args, "min_tokens_to_keep", 1) < 1:
-        raise CommandError(
-            f"--min-tokens-to-keep must be >= 1, got {args.min_tokens_to_keep}"
-        )
-
-
-def sampler_from_flags(args, tokenizer):
-    """The sampler of ``--temp``, ``--top-p``, ``--top-k``, ``--xtc-*`` (and
-    ``--min-p``, ``--min-tokens-to-keep`` where the command has them)."""
-    check_sampling_flags(args)
-    with bad_input():
-        return make_sampler(
-            args.temp,
-            args.top_p,
-            getattr(args, "min_p", 0.0),
-            getattr(args, "min_tokens_to_keep", 1),
-            top_k=args.top_k,
-            xtc_probability=args.xtc_probability,
-            xtc_threshold=args.xtc_threshold,
-            xtc_special_tokens=xtc_special_tokens(tokenizer),
-        )
-
-
-def add_penalty_flags(parser: argparse.ArgumentParser):
-    """``--repetition-penalty``, ``--presence-penalty``, ``--frequency-penalty``
-    and their ``--*-context-size``: the penalties mlx_lm.server takes per request."""
-    for name, _, context in PENALTIES:
-        kind = name.split("_")[0]
-        parser.add_argument(
-            _flag(name),
-            type=float,
-            default=0.0,
-            help=f"Penalty on the tokens seen in the last --{kind}-context-size "
-            f"tokens (0: off), as mlx_lm.server's {name}.",
-        )
-        parser.add_argument(
-            _flag(context),
-            type=int,
-            default=20,
-            help=f"Tokens of context the {kind} penalty looks at (default 20).",
-        )
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def logits_processors_from_flags(args):
-    """mlx-lm's logits processors for the penalty flags (None when all are 0)."""
-    chosen = {}
-    for name, low, context in PENALTIES:
-        value, size = getattr(args, name), getattr(args, context)
-        if not math.isfinite(value) or (low is not None and value < low):
-            floor = "a number" if low is None else f"a number >= {low}"
-            raise CommandError(f"{_flag(name)} must be {floor}, got {value}")
-        if size < 1:
-            raise CommandError(f"{_flag(context)} must be >= 1, got {size}")
-        if value:
-            chosen[name], chosen[context] = value, size
-    return make_logits_processors(**chosen) if chosen else None
-
-
-MAX_SEED = 2**64 - 1  # MLX's random seed is an unsigned 64-bit integer
-
-
-def check_seed(seed):
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise CommandError(f"--seed must be in 0..2**64-1, got {seed}")
-
-
-def check_run_flags(args):
-    """The flags of a generating command checked before its model loads:
-    sampling, ``--seed``, ``--prefill-step-size``, ``--adapter-path``."""
-    check_sampling_flags(args)
-    check_seed(getattr(args, "seed", None))
-    step = getattr(args, "prefill_step_size", None)
-    if step is not None and step < 1:
-        raise CommandError(f"--prefill-step-size must be >= 1, got {step}")
-    adapter = getattr(args, "adapter_path", None)
-    if adapter is not None and not Path(adapter).exists():
-        raise CommandError(f"--adapter-path {adapter!r} does not exist")
-
-
 def add_extra_eos_tokens(tokenizer, tokens, vocab: int):
     """``--extra-eos-token``: each a token of the tokenizer's vocabulary (its
     text) or a token id below ``vocab``; anything else is refused by name
@@ -371,57 +286,3 @@ def check_output_file(path, flag: str):
         os.unlink(name)
     except OSError as e:
         raise CommandError(f"{flag} {str(path)!r} cannot be written: {e.strerror}")
-
-
-def byte_size(text: str) -> int:
-    """A size flag's value: a number of bytes, or with K/M/G/T (1024s)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B")
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-
-
-def add_state_dir_flags(parser: argparse.ArgumentParser, what: str):
-    """``--state-dir`` and ``--state-dir-bytes``: conversation states kept on
-    disk (``what``: which states the command writes there)."""
-    parser.add_argument(
-        "--state-dir",
-        metavar="DIR",
-        help=f"Keep conversation states on disk in DIR (e.g. {DEFAULT_DIR}): "
-        f"{what}. Default: off.",
-    )
-    parser.add_argument(
-        "--state-dir-bytes",
-        type=byte_size,
-        metavar="SIZE",
-        default=10 << 30,
-        help="Most bytes of states kept in --state-dir, least recently used "
-        "removed first, e.g. 20G (default: 10G).",
-    )
-
-
-def check_state_dir_flags(args):
-    """Refuse unusable ``--state-dir`` flags before a model is loaded."""
-    if args.state_dir_bytes < 0:
-        size = args.state_dir_bytes
-        raise CommandError(f"--state-dir-bytes must be >= 0, got {size}")
-    if args.state_dir is None:
-        return
-    if getattr(args, "pipeline", False):
-        raise CommandError("--state-dir does not work with --pipeline")
-    with bad_input():
-        check_state_dir(args.state_dir)
-
-
-def open_state_store(args, model, tokenizer, name: str):
-    """The disk tier ``--state-dir`` asks for (None: off)."""
-    if args.state_dir is None:
-        return None
-    with bad_input(OSError, ValueError):
-        return StateStore.for_model(
-            args.state_dir, args.state_dir_bytes, model, tokenizer, name
-        )

@@ -19,7 +19,8 @@ import sys
 
 
 from ..drafters import default_draft
-from ..server.engine import Engine, PipelineEngine
+from ..server.engine import Engine
+from ..server.pipeline_engine import PipelineEngine
 from ..server.http import bind, make_app, serve
 from ..server.limits import BODY_SECONDS, HEADER_SECONDS, WRITE_SECONDS
 from ..server.limits import ClientLimits

@@ -12,12 +12,11 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 from .events import Finished, Segment, Started, Token, ToolCall
+from .prompts import chat_prompt, check_text
 from .requests import (
     RequestError,
     ServerContext,
-    chat_prompt,
     check_model,
-    check_text,
     field,
     generation_params,
     logits_processing,

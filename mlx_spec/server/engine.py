@@ -30,102 +30,26 @@ ends its generation after the current pass.
 """
 
 import logging
-import pickle
 import queue
 import threading
 import time
-from dataclasses import asdict
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
 from ..core.batch import BatchDecoder, RowOptions
 from ..core.sampling import make_sampler, xtc_special_tokens
-from ..core.stats import SpecStats
 from ..drafters.base import MAX_DRAFT_TOKENS
 from ..mlx_lm_compat import make_logits_processors
-from ..models.pipeline import broadcast_bytes
 from ..session import DecodeOptions, Session, check_max_tokens
 from ..states.snapshot import capture, shared
 from ..states.store import StateStore
-from .events import Finished, GenerationParams, Job, Progress, Started, TextRouter
-from .events import Token
+from .events import GenerationParams, Job, Progress, Started
+from .job_output import JobOutput, speculation_counters
 from .prefill import Joining, PrefillQueue
 from ..states.memory import StateCache
 
 log = logging.getLogger("mlx_spec.server")
-
-
-class _Output:
-    """One admitted job's side: detokenizing, routing text, its finish.
-    ``budget``: the most tokens it may emit (its ``max_tokens``, within the
-    model's context)."""
-
-    def __init__(self, job: Job, tokenizer, draft: str, budget: int, stats: SpecStats):
-        self.job, self.draft, self.tokenizer = job, draft, tokenizer
-        self.budget, self.stats = budget, stats
-        self.detokenizer = tokenizer.detokenizer
-        self.router = TextRouter(tokenizer, job.params, job.initial_state)
-        self.n, self.reason, self.tic = 0, None, time.perf_counter()
-
-    def emit(self, tokens: List[int], logprobs: mx.array):
-        """Send the events of a pass's tokens, as one item, with the row's
-        counters after the pass; sets ``reason`` once done."""
-        p, events = self.job.params, []
-        chosen = [None] * len(tokens)
-        if p.logprobs:  # a sync: it would also wait for a pass queued ahead
-            chosen = logprobs[mx.arange(len(tokens)), mx.array(tokens)].tolist()
-        for i, token in enumerate(tokens):
-            self.n += 1
-            events.append(Token(token, chosen[i], _top(logprobs[i], p.top_logprobs)))
-            eos = token in self.tokenizer.eos_token_ids
-            if not eos:
-                self.detokenizer.add_token(token)
-            length = self.n >= self.budget
-            if eos or length:
-                self.detokenizer.finalize()
-            events += self.router.feed(self.detokenizer.last_segment, eos, length)
-            if eos or self.router.stopped:
-                self.reason = "stop"
-            elif length:
-                self.reason = "length"
-            if self.reason:
-                break
-        if self.job.cancelled and not self.reason:
-            self.reason = "cancelled"
-        self.job.put(*events, Progress(self.speculation()))
-
-    def speculation(self) -> dict:
-        return speculation_counters(
-            self.draft, self.stats, time.perf_counter() - self.tic
-        )
-
-    def finish(self):
-        reason = self.reason or "cancelled"
-        if reason == "stop" and self.router.made_tool_call:
-            reason = "tool_calls"
-        stop_word = self.router.stop_word if reason == "stop" else None
-        self.job.put(Finished(reason, self.n, self.speculation(), stop_word))
-
-
-def speculation_counters(draft: str, stats: SpecStats, seconds: float) -> dict:
-    """A reply's speculation counters, as responses carry them."""
-    return {
-        "draft": draft,
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "verify_passes": stats.verify_passes,
-        "seconds": round(seconds, 6),
-    }
-
-
-def _top(logprobs: mx.array, n: int) -> List[tuple]:
-    if n <= 0:
-        return []
-    ids = mx.argpartition(-logprobs, n - 1)[:n]
-    values = logprobs[ids]
-    order = mx.argsort(-values)
-    return list(zip(ids[order].tolist(), values[order].tolist()))
 
 
 class Engine:
@@ -163,7 +87,7 @@ class Engine:
         spill = None if state_store is None else state_store.put
         self.states = StateCache(cache_bytes, cache_entries, evicted=spill)
         self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self._live: Dict[int, _Output] = {}
+        self._live: Dict[int, JobOutput] = {}
         self.prefills = PrefillQueue(self.states, prefill_chunk)
         self._closing = False
         self.peak_decoding = 0  # most requests verified in one pass so far
@@ -383,7 +307,7 @@ class Engine:
         if p.seed is not None:
             mx.random.seed(p.seed)
         budget = self._budget(j.job)
-        output = _Output(j.job, self.tokenizer, j.draft, budget, j.decoder.stats)
+        output = JobOutput(j.job, self.tokenizer, j.draft, budget, j.decoder.stats)
         id = batch.add(
             j.decoder,
             RowOptions(
@@ -424,38 +348,3 @@ class Engine:
             del self._live[id]
             self.states.insert(capture(decoder, flush=False))
             output.finish()
-
-
-class _Discard:
-    def put(self, item):
-        pass
-
-
-class PipelineEngine(Engine):
-    """The engine of one rank of a pipeline: every rank decodes the same jobs
-    in the same order. Rank 0 (the HTTP side) decides what each iteration
-    admits and cancels and sends that to the others; the rest of the engine
-    is deterministic, so the ranks stay in lock-step."""
-
-    def __init__(self, *args, group, **kwargs):
-        self.group = group
-        super().__init__(*args, **kwargs)
-
-    def _incoming(self, free: int) -> List[Job]:
-        if self.group.rank() == 0:
-            jobs = super()._incoming(free)
-            plan = {
-                "jobs": [(j.prompt, asdict(j.params), j.initial_state) for j in jobs],
-                "cancel": [i for i, o in self._live.items() if o.job.cancelled],
-                "close": self._closing,
-            }
-            broadcast_bytes(self.group, pickle.dumps(plan))
-            return jobs
-        plan = pickle.loads(broadcast_bytes(self.group, None))
-        for i in plan["cancel"]:
-            self._live[i].job.cancel()
-        self._closing = plan["close"]
-        jobs = [Job(p, GenerationParams(**params), s) for p, params, s in plan["jobs"]]
-        for job in jobs:
-            job.events = _Discard()  # rank 0 answers the client
-        return jobs

@@ -1,5 +1,6 @@
-"""OpenAI's response shapes for ``/v1/chat/completions`` and ``/v1/completions``:
-one JSON object, or server-sent ``data:`` chunks ending with ``[DONE]``.
+"""OpenAI's ``/v1/chat/completions`` and ``/v1/completions``: a request body
+checked into a prompt and its parameters, and the response shapes: one JSON
+object, or server-sent ``data:`` chunks ending with ``[DONE]``.
 
 Responses carry the request's speculation counters in an extension field,
 ``speculation`` (drafter, tokens drafted and accepted, verify passes).
@@ -9,9 +10,69 @@ import json
 import math
 import time
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .events import Finished, GenerationParams, Segment, Started, Token, ToolCall
+from .prompts import chat_prompt, check_text, text_prompt
+from .requests import (
+    MAX_TOP_LOGPROBS,
+    RequestError,
+    ServerContext,
+    check_model,
+    check_unsupported,
+    field,
+    generation_params,
+    logits_processing,
+)
+
+
+def openai_request(path: str, body, ctx: ServerContext) -> Tuple[List[int], str, Any]:
+    """``(prompt, initial state, params)`` of a ``/v1/chat/completions`` or
+    ``/v1/completions`` body; ``params`` also carries the response options."""
+    check_text(body)
+    check_model(body, ctx)
+    check_unsupported(body)
+    params = generation_params(body, ctx)
+    params.logits = logits_processing(body, ctx)
+    logprobs = body.get("logprobs")
+    if path.endswith("chat/completions"):
+        field(body, "logprobs", "bool")
+        top = field(body, "top_logprobs", "int", 0, low=0, high=MAX_TOP_LOGPROBS)
+        tools = body.get("tools")
+        kwargs = field(body, "chat_template_kwargs", "dict")
+        prompt, state, shared = chat_prompt(body.get("messages"), tools, ctx, kwargs)
+        params.tools, params.shared_prefix = tools, shared
+        params.logprobs = bool(logprobs)
+        params.top_logprobs = top if logprobs else 0
+    else:  # completions: logprobs is the number of alternatives
+        top = field(body, "logprobs", "int", None, low=0, high=MAX_TOP_LOGPROBS)
+        if "prompt" not in body:
+            raise RequestError("'prompt' is required", param="prompt")
+        prompt, state = text_prompt(body["prompt"], ctx), "normal"
+        params.logprobs = top is not None
+        params.top_logprobs = top or 0
+    return prompt, state, params
+
+
+def completion_echo(body) -> str:
+    """The text a ``/v1/completions`` reply begins with: the prompt where
+    ``echo`` is true, else nothing. ``best_of`` other than 1 and ``suffix``
+    (fill-in-the-middle) are refused by name, as ``n`` is; so is ``echo`` with
+    ``logprobs`` (the prompt's own logprobs are not computed)."""
+    if field(body, "best_of", "int", 1) != 1:
+        raise RequestError("only 'best_of': 1 is supported", param="best_of")
+    if field(body, "suffix", "str"):
+        raise RequestError(
+            "'suffix' is not supported (no fill-in-the-middle)", param="suffix"
+        )
+    if not field(body, "echo", "bool", False):
+        return ""
+    if body.get("logprobs") is not None:
+        raise RequestError(
+            "'echo' together with 'logprobs' is not supported", param="echo"
+        )
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
 
 
 def _is_text(delta: Optional[dict]) -> bool:

@@ -20,12 +20,11 @@ from typing import Any, Dict, List, Optional
 
 from .events import GenerationParams
 from .kept_responses import KeptConversation, KeptResponses
+from .prompts import chat_prompt, check_text
 from .requests import (
     RequestError,
     ServerContext,
-    chat_prompt,
     check_model,
-    check_text,
     field,
     generation_params,
     logits_processing,

@@ -31,155 +31,48 @@ file's modification time: written or last loaded); a file another process
 removes between listing and reading is just a miss.
 """
 
-import hashlib
 import logging
 import os
 import queue
-import re
 import stat
 import threading
 import time
-from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from .file import plain_state, read_metadata, read_state, write_state
 from .snapshot import DecoderState, check_loadable
-from ..models.fingerprint import tokenizer_fingerprint
-from ..drafters.dflash import attached_draft_model
-from ..models.identity import (
-    draft_model_fingerprint,
-    head_fingerprint,
-    model_fingerprint,
+from .store_files import (
+    DEFAULT_DIR,
+    OWN_FORMATS,
+    STALE_TEMP_S,
+    STATE_NAME,
+    TEMP_NAME,
+    Identity,
+    check_state_dir,
+    file_name,
+    lstat_or_none,
+    own_stat,
+    remove_file,
+    scan,
+    tokens_hash,
+    touch,
 )
-from .file import (
-    plain_state,
-    read_metadata,
-    read_state,
-    temp_file_beside,
-    write_state,
-)
+
+# the names importers took from here before the directory's files had a module
+__all__ = [
+    "DEFAULT_DIR",
+    "STALE_TEMP_S",
+    "STATE_NAME",
+    "Identity",
+    "StateStore",
+    "check_state_dir",
+    "file_name",
+    "tokens_hash",
+]
 
 log = logging.getLogger("mlx_spec.states")
-
-FORMAT = "mlx_spec.state.v2"
-OWN_FORMATS = "mlx_spec.state."  # every version's files are the store's own
-STATE_NAME = re.compile(r"[0-9a-f]{40}\.safetensors")
-# temp_file_beside's names for them: ".NAME." + mkstemp's letters + suffix
-TEMP_NAME = re.compile(r"\.[0-9a-f]{40}\.safetensors\.[a-z0-9_]+\.safetensors")
-DEFAULT_DIR = "~/.cache/mlx_spec/states"  # documented; never used unasked
-STALE_TEMP_S = 3600  # a temporary file this old is a crashed writer's
-
-
-@dataclass(frozen=True)
-class Identity:
-    """What a state file must match to be continued: the format, the model,
-    its MTP head, its DFlash drafter model and its tokenizer.
-
-    The drafter model counts for every state, whichever drafter made it: a
-    dflash state holds that drafter's context (another drafter of the same
-    shapes would read it as its own), and every state's hidden row carries
-    the features of the layers the drafter model taps."""
-
-    model: str
-    head: str
-    tokenizer: str
-    model_name: str = ""  # for messages only
-    draft_model: str = ""  # "" without a DFlash drafter model
-
-    @classmethod
-    def of(cls, model, tokenizer, model_name: str = "") -> "Identity":
-        return cls(
-            model_fingerprint(model),
-            head_fingerprint(model),
-            tokenizer_fingerprint(tokenizer),
-            str(model_name),
-            draft_model_fingerprint(attached_draft_model(model)),
-        )
-
-    def metadata(self) -> Dict[str, str]:
-        return {
-            "format": FORMAT,
-            "model": self.model,
-            "head": self.head,
-            "tokenizer": self.tokenizer,
-            "model_name": self.model_name,
-            "draft_model": self.draft_model,
-        }
-
-    def mismatch(self, meta: Dict[str, str]) -> Optional[str]:
-        """Why a file with metadata ``meta`` is not for this identity."""
-        if meta.get("format") != FORMAT:
-            return f"format {meta.get('format')!r}, not {FORMAT!r}"
-        if meta.get("model") != self.model:
-            name = meta.get("model_name") or meta.get("model")
-            return f"saved for another model or other weights ({name})"
-        if meta.get("head") != self.head:
-            return "saved with another MTP head"
-        theirs = meta.get("draft_model", "")  # files written before it: none
-        if theirs != self.draft_model:
-            if not theirs:
-                return "saved without a DFlash drafter model"
-            if not self.draft_model:
-                return "saved with a DFlash drafter model, and none is loaded"
-            return "saved with another DFlash drafter model"
-        if meta.get("tokenizer") != self.tokenizer:
-            return "saved with another tokenizer"
-        return None
-
-
-def tokens_hash(tokens: Sequence[int]) -> str:
-    return hashlib.sha256(array("I", tokens).tobytes()).hexdigest()
-
-
-def file_name(identity: Identity, drafter: str, tokens: Sequence[int]) -> str:
-    """The file of a state: the same state always has the same name."""
-    key = f"{FORMAT}|{identity.model}|{identity.head}|{identity.tokenizer}|{drafter}|"
-    if identity.draft_model:  # without one, the names files always had
-        key += f"{identity.draft_model}|"
-    digest = hashlib.sha256(key.encode())
-    digest.update(array("I", tokens).tobytes())
-    return digest.hexdigest()[:40] + ".safetensors"
-
-
-def _foreign(directory: Path) -> List[str]:
-    """The names in ``directory`` that are not the store's: anything but a
-    regular file named as a state or a state being written (hidden names,
-    such as a desktop's ``.DS_Store``, are left out)."""
-    names = []
-    for item in _scan(directory):
-        ours = STATE_NAME.fullmatch(item.name) or TEMP_NAME.fullmatch(item.name)
-        if ours and _regular(item) or item.name.startswith(".") and not ours:
-            continue
-        names.append(item.name)
-    return sorted(names)
-
-
-def check_state_dir(directory):
-    """Raise ``ValueError`` naming ``directory`` if states cannot be kept
-    there: an empty path, a directory holding anything but states (a model,
-    adapters, ...), one that cannot be created or written."""
-    if not str(directory).strip():
-        raise ValueError(
-            "the state directory is an empty path (an unset variable?); "
-            f"give a directory of its own, e.g. {DEFAULT_DIR}"
-        )
-    path = Path(directory).expanduser()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        foreign = _foreign(path)
-        if not foreign:
-            temp_file_beside(path / "check").unlink()
-    except OSError as e:
-        raise ValueError(
-            f"cannot keep states in {str(directory)!r}: {e.strerror or e}"
-        ) from None
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise ValueError(
-            f"cannot keep states in {str(directory)!r}: it holds files that are "
-            f"not states ({shown}); give a directory of its own, e.g. {DEFAULT_DIR}"
-        )
 
 
 @dataclass(frozen=True)
@@ -246,12 +139,12 @@ class StateStore:
         with self._lock:
             if name in self._queued:
                 return
-        st = _lstat(path)
+        st = lstat_or_none(path)
         if st is not None and not stat.S_ISREG(st.st_mode):
             self._warn_once(("foreign", name), f"{path} is not a state: left alone")
             return
         if st is not None and not self._skipped(path, st):
-            _touch(path)  # the same state: only its use is news
+            touch(path)  # the same state: only its use is news
             return
         if state.nbytes > self.max_bytes:
             return  # it could never be kept
@@ -313,20 +206,20 @@ class StateStore:
         take at most ``max_bytes``, and its temporary files left by a crash.
         Nothing else in the directory is ever removed."""
         files, now = [], time.time()
-        for item in _scan(self.directory):
-            st = _stat(item)
+        for item in scan(self.directory):
+            st = own_stat(item)
             if st is None or not stat.S_ISREG(st.st_mode):
                 continue
             if TEMP_NAME.fullmatch(item.name):
                 if now - st.st_mtime > STALE_TEMP_S:
-                    _remove(Path(item.path))
+                    remove_file(Path(item.path))
             elif STATE_NAME.fullmatch(item.name) and self._file(item, st).owned:
                 files.append((st.st_mtime_ns, st.st_size, Path(item.path)))
         total = sum(size for _, size, _ in files)
         for _, size, path in sorted(files):
             if total <= self.max_bytes:
                 break
-            if _remove(path):
+            if remove_file(path):
                 self.counts["removed"] += 1
             total -= size  # gone, whoever removed it
 
@@ -391,7 +284,7 @@ class StateStore:
         if why is not None:
             self._skip(entry.path, why)
             return None
-        _touch(entry.path)
+        touch(entry.path)
         self.counts["loaded"] += 1
         return state
 
@@ -409,10 +302,10 @@ class StateStore:
     def _entries(self) -> List[_Entry]:
         """The files of this identity now in the directory."""
         entries, seen = [], set()
-        for item in _scan(self.directory):
+        for item in scan(self.directory):
             if not STATE_NAME.fullmatch(item.name):
                 continue
-            st = _stat(item)
+            st = own_stat(item)
             if st is None or not stat.S_ISREG(st.st_mode):
                 continue
             seen.add((item.name, st.st_ino, st.st_size))
@@ -454,7 +347,7 @@ class StateStore:
     # -- reporting -------------------------------------------------------------
     def _skip(self, path: Path, why: str):
         """Never load ``path`` again in this process; say so once."""
-        st = _lstat(path)
+        st = lstat_or_none(path)
         if st is not None:
             with self._lock:
                 known = self._index.get((path.name, st.st_ino, st.st_size))
@@ -481,8 +374,8 @@ class StateStore:
         what waits to be written, and what was written, loaded and removed
         so far."""
         sizes = []
-        for item in _scan(self.directory):
-            st = _stat(item) if STATE_NAME.fullmatch(item.name) else None
+        for item in scan(self.directory):
+            st = own_stat(item) if STATE_NAME.fullmatch(item.name) else None
             if st is not None and stat.S_ISREG(st.st_mode):
                 if self._file(item, st).owned:
                     sizes.append(st.st_size)
@@ -500,47 +393,3 @@ class StateStore:
 
 def _text(e: Exception) -> str:
     return " ".join(str(e).split()) or type(e).__name__
-
-
-def _scan(directory: Path) -> List[os.DirEntry]:
-    try:
-        with os.scandir(directory) as it:
-            return list(it)
-    except OSError:  # the directory is gone or unreadable: nothing on disk
-        return []
-
-
-def _stat(entry: os.DirEntry):
-    """``entry``'s own status (a link's, not its target's); None once gone."""
-    try:
-        return entry.stat(follow_symlinks=False)
-    except OSError:  # removed since listing
-        return None
-
-
-def _lstat(path: Path):
-    try:
-        return path.lstat()
-    except OSError:
-        return None
-
-
-def _regular(entry: os.DirEntry) -> bool:
-    st = _stat(entry)
-    return st is not None and stat.S_ISREG(st.st_mode)
-
-
-def _remove(path: Path) -> bool:
-    try:
-        path.unlink()
-        return True
-    except OSError:
-        return False
-
-
-def _touch(path: Path):
-    """Mark ``path`` as used now (the LRU order is modification time)."""
-    try:
-        os.utime(path)
-    except OSError:
-        pass

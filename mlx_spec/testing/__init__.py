@@ -16,4 +16,6 @@ models without a model hub. No runtime module of mlx_spec imports it.
   calls a tool (agent clients' round trips);
 - ``server.py``, ``http_client.py``, ``sdk_clients.py``: server processes,
   plain HTTP requests, the ``openai`` and ``anthropic`` SDKs as clients.
+- ``doctor_reports.py``: a doctor report's documented fields and types, its
+  quick prompts cut short.
 """

@@ -3,7 +3,7 @@ between, so a test sees exactly the status, headers and body sent)."""
 
 import http.client
 import json
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 
 def post_json(port: int, path: str, body: Any, timeout: float = 120.0) -> Tuple:
@@ -17,6 +17,28 @@ def post_json(port: int, path: str, body: Any, timeout: float = 120.0) -> Tuple:
         return r.status, json.loads(r.read())
     finally:
         conn.close()
+
+
+def request(
+    port: int,
+    method: str,
+    path: str,
+    body: Any = None,
+    headers: Optional[dict] = None,
+    raw: Optional[str] = None,
+) -> Tuple:
+    """``(status, headers, parsed JSON or text)`` of one request: ``body`` sent
+    as JSON, or ``raw`` as it is."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+    conn.request(
+        method, path, data, {"Content-Type": "application/json", **(headers or {})}
+    )
+    r = conn.getresponse()
+    text = r.read().decode()
+    conn.close()
+    is_json = r.getheader("Content-Type", "").startswith("application/json")
+    return r.status, dict(r.getheaders()), json.loads(text) if is_json else text
 
 
 def get_health(port: int, timeout: float = 30.0) -> Any:

@@ -13,12 +13,15 @@ load as).
 import json
 import pathlib
 import re
+import shutil
 from typing import Dict, Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ..models.mtp.weights import MTP_NORMS
+from .checkpoints import write_tiny_checkpoint
 
 WHERE = (
     "shards",  # the model's own shards, through the index's weight_map
@@ -261,3 +264,31 @@ def expected_weights(
     if not shifted:
         out = shift_norms(out)
     return _experts(out, "stacked", num_experts)
+
+
+def write_target(root: pathlib.Path, family: str, save_mlx_dir):
+    """``(raw dir, mlx-community style dir without a head)`` of a tiny
+    ``family`` checkpoint (``save_mlx_dir(raw, out)``: mlx-lm's conversion)."""
+    raw = write_tiny_checkpoint(root / f"{family}_raw", family, seed=3)
+    return raw, save_mlx_dir(raw, root / f"{family}_mlx")
+
+
+def head_params(head) -> Dict[str, mx.array]:
+    """Every parameter of ``head``, by its flattened name."""
+    return dict(tree_flatten(head.parameters()))
+
+
+def assert_same_bits(a, b, what):
+    """Parameters ``a`` and ``b`` (:func:`head_params`) equal bit for bit."""
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert a[k].dtype == b[k].dtype, (what, k, a[k].dtype, b[k].dtype)
+        assert mx.array_equal(a[k], b[k]).item(), (what, k)
+
+
+def target_copy(targets, tmp_path: pathlib.Path, family: str = "qwen3_5_moe"):
+    """``(raw dir, a copy of the head-less model dir in tmp_path, the model)``
+    of ``targets[family]`` (``(raw, mlx dir, model)``): a head may be written
+    into the copy."""
+    raw, mlx, model = targets[family]
+    return raw, shutil.copytree(mlx, tmp_path / "model"), model

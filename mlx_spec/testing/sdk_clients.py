@@ -8,7 +8,8 @@ checks here prove more: each streamed event is an instance of the SDK's class
 for its ``type``, and every object validates strictly against the SDK's own
 pydantic model (a missing required field, a wrong literal fails). Warnings
 and log records an SDK emits while parsing are collected so a test can
-require that there were none. Needs the test extras (``pip install -e
+require that there were none. What a reply must equal: mlx-lm's greedy
+decoding of the same prompt, with drafts accepted. Needs the test extras (``pip install -e
 ".[test]"``).
 """
 
@@ -17,6 +18,8 @@ import logging
 import typing
 import warnings
 from typing import Dict, Iterator, List
+
+from ..mlx_lm_compat import make_logits_processors, plain_stream_generate
 
 TIMEOUT = 120.0
 
@@ -107,3 +110,22 @@ def client_warnings() -> Iterator[List[str]]:
         found.extend(f"{w.category.__name__}: {w.message}" for w in caught)
     finally:
         root.removeHandler(handler)
+
+
+def greedy_reply(plain, prompt, max_tokens: int = 40, bias=None):
+    """mlx-lm's greedy ``(text, tokens)`` for ``prompt`` (token ids) on
+    ``plain`` (a model and its tokenizer), with ``bias`` as a logit bias."""
+    model, tok = plain
+    processors = make_logits_processors(logit_bias=bias) if bias else None
+    text, tokens = "", []
+    for r in plain_stream_generate(
+        model, tok, prompt, max_tokens=max_tokens, logits_processors=processors
+    ):
+        text += r.text
+        tokens.append(r.token)
+    return text, tokens
+
+
+def assert_accepted(speculation):
+    """A reply's speculation counters show drafts accepted."""
+    assert 0 < speculation["accepted"] <= speculation["drafted"], speculation

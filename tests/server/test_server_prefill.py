@@ -8,7 +8,9 @@ from mlx_spec.server.engine import Engine
 from mlx_spec.server.events import GenerationParams, Job, Started
 from mlx_spec.server.anthropic import messages_request
 from mlx_spec.server.prefill import SHARED_MIN, Joining, PrefillQueue
-from mlx_spec.server.requests import ServerContext, chat_prompt, openai_request
+from mlx_spec.server.openai import openai_request
+from mlx_spec.server.prompts import chat_prompt
+from mlx_spec.server.requests import ServerContext
 from mlx_spec.states.memory import StateCache
 from mlx_spec.testing.reference import prompts, reference_tokens, tokens_of
 from mlx_spec.testing.server import job_events

@@ -8,7 +8,8 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from mlx_spec.server.events import Finished, Segment, Started, Token, ToolCall
 from mlx_spec.server.kept_responses import KeptConversation, KeptResponses
-from mlx_spec.server.requests import RequestError, ServerContext, chat_prompt
+from mlx_spec.server.prompts import chat_prompt
+from mlx_spec.server.requests import RequestError, ServerContext
 from mlx_spec.server.response_output import ResponseOutput
 from mlx_spec.server.responses import responses_request
 from mlx_spec.testing.agent_checkpoint import TOOL, write_agent_checkpoint
