@@ -102,6 +102,7 @@ class GroupState:
     last_choice: int = 0
     deepened: bool = False  # the last choice was a depth probe
     chosen: bool = False  # it has chosen for a pass (it has had rows)
+    plain_run: int = 0  # choices in a row whose best length was 0
 
     def next_is_plain(self) -> bool:
         """Whether its next choice will draft nothing (said before it is
@@ -158,7 +159,9 @@ class DraftLengths:
             chosen = {g: from_rank0(self.group, k) for g, k in chosen.items()}
         for g in RowGroup:
             if members[g]:
-                self.states[g].last_choice, self.states[g].chosen = chosen[g], True
+                state = self.states[g]
+                state.last_choice, state.chosen = chosen[g], True
+                state.plain_run = state.plain_run + 1 if state.best == 0 else 0
         return chosen
 
     def _explore(self, g, best: Pair, members, limit: int, table: _Table) -> int:
@@ -290,6 +293,13 @@ class DraftLengths:
     def paying(self, g: RowGroup) -> bool:
         """Whether group ``g`` drafts or probes at its next choice."""
         return not self.states[g].next_is_plain()
+
+    def resting(self, g: RowGroup) -> bool:
+        """Whether group ``g``'s drafters may stop their upkeep (asked after
+        a choice): its best length has been 0 for ``tuning.suspend_after``
+        choices and it drafts nothing now (a probe resumes them)."""
+        state = self.states[g]
+        return state.plain_run >= self.tuning.suspend_after and state.last_choice == 0
 
 
 def _drafting(members: List[Candidate], n: int) -> List[int]:

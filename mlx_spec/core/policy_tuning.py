@@ -64,6 +64,11 @@ class PolicyTuning:
     # Probes never cost more than this share of the plain passes between them
     # (a head probe at 4k context costs about two plain passes: one in ~70).
     probe_budget: float = 0.03
+    # A group that has drafted nothing for this many choices (and is not
+    # about to probe) suspends its drafter's upkeep (the MTP head's forwards
+    # and judging: 11% of a plain pass measured); fewer would restart the
+    # head's window on every short stretch of text that does not pay.
+    suspend_after: int = 32
     # A depth probe (one draft more than the best) while the next position
     # has fewer decayed trials than this ...
     depth_evidence: float = 4.0

@@ -143,6 +143,8 @@ class Scheduler:
             )
             chosen = self.lengths.choose(request)
             ks.update({b: min(chosen[groups[b]], caps[b]) for b in auto})
+            for b in auto:  # before any row drafts: a resumed head drafts current
+                rest(rows[b].acceptance, self.lengths, rows[b].decoder.drafter)
         longest = max(ks.values())
         filled = {
             b: k if b in head_rows else max(k, min(longest, caps[b]))
@@ -222,6 +224,16 @@ def exchange(acceptance: RowAcceptance, lengths: DraftLengths, drafter):
         if source is not None:
             paying = lengths.paying(group_of_source(source))
             contract.tell_paying(drafter, source, paying)
+
+
+def rest(acceptance: RowAcceptance, lengths: DraftLengths, drafter):
+    """After a choice: the row's drafter's sources whose group has drafted
+    nothing for a while, this pass included, stop their upkeep; the others
+    (drafting or probing now) resume theirs."""
+    for source in acceptance.by_source:
+        if source is not None:
+            resting = lengths.resting(group_of_source(source))
+            contract.rest(drafter, source, resting)
 
 
 def head_catch_up(rows, drafting: Collection[int]) -> int:
