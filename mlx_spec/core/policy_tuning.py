@@ -87,6 +87,12 @@ class PolicyTuning:
     # than the forward but for a few per cent of graph building it overlaps);
     # a busy profile was 2x too dear at T = 1, 2.7x at T = 9.
     heal_down: float = 0.1
+    # A stored profile where a forward over T >= 3 tokens costs more than
+    # this times the cheapest two shorter forwards covering its tokens (one
+    # forward does their work in fewer steps) was measured on a busy machine:
+    # it is measured again once, since ``auto`` never tries the lengths it
+    # overprices, so passes cannot heal them (inf: never).
+    implausible_ratio: float = 1.2
 
     # Measure the long profile after LONG_CONTEXT tokens where the caches can
     # be written without a prefill (False: after PREFILLED_LONG_CONTEXT, where
