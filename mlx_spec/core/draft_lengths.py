@@ -81,6 +81,9 @@ class PassRequest:
     head_fixed: int = 0  # head steps the other rows run
     head_catch_up: int = 0  # positions of the catch-up head rows' drafts would run
     context: int = SHORT_CONTEXT  # tokens before the pass, averaged over rows
+    # Positions a pass without head drafts runs anyway: one a pass for each
+    # head whose upkeep has not stopped (its deferred rows, run in batches).
+    head_upkeep: int = 0
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,7 @@ class DraftLengths:
             1 + max(k, kh, r.fixed),
             drafting + r.others_drafting,
             max(kh, r.head_fixed),
-            r.head_catch_up if kh else 0,
+            r.head_catch_up if kh else r.head_upkeep,
             r.context,
         )
 
