@@ -1,10 +1,12 @@
 """The MTP head suspended while its drafts do not pay: no forward, no rows
 beyond a bounded tail, no judging; resumed for a probe or a draft, with its
 window restarted over the rows it kept. Greedy output stays mlx-lm's, alone
-and as an engine's rows."""
+and as an engine's rows; sampled output keeps plain sampling's distribution."""
 
 from dataclasses import replace
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -12,9 +14,18 @@ import mlx_spec
 from mlx_spec import DecodeOptions, Session
 from mlx_spec.core.batch import BatchDecoder, RowOptions
 from mlx_spec.core.policy_tuning import DEFAULT_TUNING
+from mlx_spec.core.sampling import Sampler
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.mtp_rows import RESUME_ROWS
 from mlx_spec.testing.checkpoints import FAMILIES
+from mlx_spec.testing.distributions import (
+    FILTERED_SAMPLERS,
+    discriminating_prompt,
+    exact_first_tokens,
+    rejects,
+    sample_pvalues,
+    verifying_with,
+)
 from mlx_spec.testing.mtp_heads import cycle_order, write_cycle_checkpoint
 from mlx_spec.testing.reference import fed_decoder, reference_tokens
 
@@ -141,3 +152,40 @@ def test_an_engines_head_rows_rest_together_and_resume_for_probes(cycle_models, 
     for drafter in drafters:
         _assert_rested(drafter)
     assert accepted > 0  # probes after resuming: the head's state is current
+
+
+def _sampled_first_tokens(model, prompt, sampler, n_runs, drafters):
+    """The first three tokens [n_runs, 3] of sampled generations with
+    ``auto``, the head resting after its first plain pass and resumed for a
+    probe at the second (``drafters`` collects each run's drafter)."""
+    tuning = replace(TUNING, suspend_after=0, probe_every=2)
+    mx.random.seed(0)
+    runs = []
+    for _ in range(n_runs):
+        drafters.append(WatchedMTP(CountedHead(model.mtp_head)))
+        options = DecodeOptions(drafters[-1], "auto", tuning=tuning)
+        steps = Session(model, options).generate(
+            prompt, max_tokens=3, sampler=sampler, verify_costs=DEAR
+        )
+        runs.append([t for t, _, _ in steps])
+    return np.array(runs)
+
+
+@pytest.mark.slow
+def test_sampling_through_suspension_keeps_the_distribution(
+    predictive_model, monkeypatch
+):
+    """Sampled, the first three tokens of runs whose head rests after the
+    first pass and is resumed for a probe follow plain sampling (chi-square);
+    the control, its drafts verified against another sampler, is rejected."""
+    sampler = Sampler(**FILTERED_SAMPLERS["min_p"])
+    prompt = discriminating_prompt(predictive_model, sampler, "mtp")
+    pairs, third = exact_first_tokens(predictive_model, prompt, sampler)
+    drafters = []
+    runs = _sampled_first_tokens(predictive_model, prompt, sampler, 400, drafters)
+    assert min(sample_pvalues(pairs, third, runs)) > 1e-3
+    resumed = [d for d in drafters if d.spans]
+    assert len(resumed) == len(drafters) and all(d.spans == [0] for d in resumed)
+    verifying_with(monkeypatch, Sampler(temp=1.2, top_k=8))  # min_p ignored
+    control = _sampled_first_tokens(predictive_model, prompt, sampler, 150, [])
+    assert rejects(lambda: sample_pvalues(pairs, third, control))
