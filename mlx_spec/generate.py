@@ -8,7 +8,8 @@ import mlx.core as mx
 import numpy as np
 
 from .core.policy_tuning import DEFAULT_TUNING, PolicyTuning
-from .core.verify_profile import head_step_cost, verify_cost_profiles
+from .core.policy import checked_cost_profile
+from .core.verify_profile import head_step_cost
 from .core.stats import SpecStats
 from .drafters import default_draft
 from .loading import use_draft_model
@@ -229,7 +230,7 @@ def measure_for_auto(model, options: DecodeOptions, stats: SpecStats) -> None:
     disk); the seconds go to ``stats.profile_seconds``."""
     if options.num_draft_tokens == "auto":
         tic = time.perf_counter()
-        verify_cost_profiles(model, options.tuning), head_step_cost(model)
+        checked_cost_profile(model, options.tuning), head_step_cost(model)
         stats.profile_seconds = time.perf_counter() - tic
 
 

@@ -116,11 +116,14 @@ class MTPBatch:
         if not needed:
             return 0
         L = max(self.members[b].rows.pending_rows for b in needed)
+        # A suspended member's rows ride along only when it drafts (its
+        # upkeep stopped: a resumed one is not suspended).
         wanted = {
             b: m.rows.take_pending()
             for b, m in enumerate(self.members)
-            if 0 < m.rows.pending_rows <= L
+            if 0 < m.rows.pending_rows <= L and (b in needed or not m.rows.suspended)
         }
+        self._restart([b for b in wanted if self.members[b].rows.gap])
         lengths = {b: t.size for b, (t, _) in wanted.items()}
         hm = self._rows(wanted, max(lengths.values()))  # [B, L, H]
         index = [lengths.get(b, 1) - 1 for b in range(len(self.members))]
@@ -130,6 +133,19 @@ class MTPBatch:
             self.members[b].rows.set_last_row(last[b : b + 1], logits[b, 0], n)
         mx.async_eval(logits, last, [(c.keys, c.values) for c in self.caches])
         return hm.shape[0] * hm.shape[1]
+
+    def _restart(self, gaps: List[int]):
+        """Empty the rows of the members ``gaps`` (rows were dropped while
+        they were suspended): their kept rows start a new window."""
+        if not gaps:
+            return
+        for c in self.caches:
+            c.trim_rows(
+                [c.offsets[b] if b in gaps else 0 for b in range(len(c.offsets))]
+            )
+        for b in gaps:
+            rows = self.members[b].rows
+            rows.verified, rows.gap = 0, False
 
     def draft_rows(self, drafting: List[Tuple[object, int]]) -> Tuple[int, int]:
         """Catch up and draft at once every row of ``drafting`` (a batch

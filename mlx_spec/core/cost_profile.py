@@ -59,6 +59,7 @@ class CostProfile:
         self._recent: Dict[int, deque] = {}  # T - 1 -> recent pass / profile ratios
         self.version = 0
         self._lock = threading.Lock()  # generations in threads share one profile
+        self.shape_checked = False  # its shape was checked (check_shape)
 
     def __len__(self) -> int:
         return len(self.short)
@@ -130,6 +131,51 @@ class CostProfile:
         self.version += 1
         if self._store is not None:
             self._store(self.short, self.long)
+
+    def check_shape(self, measure: Callable[[int], List[float]], tuning) -> bool:
+        """Once per profile: where its shape is implausible
+        (:func:`implausible_lengths` by ``tuning.implausible_ratio``, short
+        or long), measure it again (``measure(context)``: seconds for T =
+        1..n after ``context`` tokens) and keep and store that instead; True
+        when it did. A length ``auto`` never tries is never timed, so a
+        busy measurement of it would otherwise price it forever."""
+        with self._lock:
+            if self.shape_checked:
+                return False
+            self.shape_checked = True
+            ratio = tuning.implausible_ratio
+            shapes = [self.short] + ([self.long[1]] if self.long else [])
+            if not any(implausible_lengths(costs, ratio) for costs in shapes):
+                return False
+            self.short[:] = _rising(measure(SHORT_CONTEXT)[: len(self.short)])
+            if self.long is not None:
+                self.long[1][:] = _rising(measure(self.long[0])[: len(self.short)])
+            self._measured = [
+                list(self.short),
+                list(self.long[1]) if self.long else None,
+            ]
+            self._scale = [1.0] * len(self.short)
+            self._healed.clear()
+            self._recent.clear()
+            self.version += 1
+            if self._store is not None:
+                self._store(self.short, self.long)
+            return True
+
+
+def implausible_lengths(costs: List[float], ratio: float) -> List[int]:
+    """Indices ``k`` (T = k + 1 >= 3 tokens) of ``costs`` (T = 1..n) whose
+    forward costs more than ``ratio`` times the cheapest pair of shorter
+    forwards covering its tokens: one forward over a + b tokens computes what
+    two over a and b do, in fewer steps, so such a cost was measured while
+    the machine was busy (a profile flat at three times T = 2 from T = 3 on)."""
+    found = []
+    for k in range(2, len(costs)):
+        T = k + 1
+        pair = min(costs[a - 1] + costs[T - a - 1] for a in range(1, T // 2 + 1))
+        if costs[k] > ratio * pair:
+            found.append(k)
+    return found
 
 
 def _rising(costs: List[float]) -> List[float]:

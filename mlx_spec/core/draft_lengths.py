@@ -81,6 +81,9 @@ class PassRequest:
     head_fixed: int = 0  # head steps the other rows run
     head_catch_up: int = 0  # positions of the catch-up head rows' drafts would run
     context: int = SHORT_CONTEXT  # tokens before the pass, averaged over rows
+    # Positions a pass without head drafts runs anyway: one a pass for each
+    # head whose upkeep has not stopped (its deferred rows, run in batches).
+    head_upkeep: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class GroupState:
     last_choice: int = 0
     deepened: bool = False  # the last choice was a depth probe
     chosen: bool = False  # it has chosen for a pass (it has had rows)
+    plain_run: int = 0  # choices in a row whose best length was 0
 
     def next_is_plain(self) -> bool:
         """Whether its next choice will draft nothing (said before it is
@@ -158,7 +162,9 @@ class DraftLengths:
             chosen = {g: from_rank0(self.group, k) for g, k in chosen.items()}
         for g in RowGroup:
             if members[g]:
-                self.states[g].last_choice, self.states[g].chosen = chosen[g], True
+                state = self.states[g]
+                state.last_choice, state.chosen = chosen[g], True
+                state.plain_run = state.plain_run + 1 if state.best == 0 else 0
         return chosen
 
     def _explore(self, g, best: Pair, members, limit: int, table: _Table) -> int:
@@ -201,7 +207,7 @@ class DraftLengths:
             1 + max(k, kh, r.fixed),
             drafting + r.others_drafting,
             max(kh, r.head_fixed),
-            r.head_catch_up if kh else 0,
+            r.head_catch_up if kh else r.head_upkeep,
             r.context,
         )
 
@@ -290,6 +296,13 @@ class DraftLengths:
     def paying(self, g: RowGroup) -> bool:
         """Whether group ``g`` drafts or probes at its next choice."""
         return not self.states[g].next_is_plain()
+
+    def resting(self, g: RowGroup) -> bool:
+        """Whether group ``g``'s drafters may stop their upkeep (asked after
+        a choice): its best length has been 0 for ``tuning.suspend_after``
+        choices and it drafts nothing now (a probe resumes them)."""
+        state = self.states[g]
+        return state.plain_run >= self.tuning.suspend_after and state.last_choice == 0
 
 
 def _drafting(members: List[Candidate], n: int) -> List[int]:

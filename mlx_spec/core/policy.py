@@ -16,9 +16,10 @@ from typing import Dict, List, Optional, Sequence
 
 from ..drafters import contract
 from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
-from .cost_profile import SHORT_CONTEXT, as_cost_profile
+from .cost_profile import SHORT_CONTEXT, CostProfile, as_cost_profile
 from .pass_cost import PassCost
 from .policy_tuning import DEFAULT_TUNING, PolicyTuning
+from . import verify_profile
 from .verify_profile import cost_profile, head_step_cost
 
 __all__ = [
@@ -48,11 +49,26 @@ def pass_cost_model(
     profile, no growth with context) when given, else over the model's
     :class:`~mlx_spec.core.cost_profile.CostProfile` (measured or stored,
     corrected by the passes timed here), the MTP head's steps priced at
-    first at their measured cost; its constants: ``tuning``."""
+    first at their measured cost; its constants: ``tuning``. A stored
+    profile of an implausible shape is measured again first
+    (:meth:`~mlx_spec.core.cost_profile.CostProfile.check_shape`)."""
     if verify_costs is not None:
         return PassCost(as_cost_profile(verify_costs), tuning=tuning)
-    profile = cost_profile(model, tuning)
+    profile = checked_cost_profile(model, tuning)
     return PassCost(profile, head_step_cost(model) or 0.0, tuning)
+
+
+def checked_cost_profile(model, tuning: PolicyTuning = DEFAULT_TUNING) -> CostProfile:
+    """``model``'s cost profile (measured or stored), measured again first
+    where a stored one has an implausible shape
+    (:meth:`~mlx_spec.core.cost_profile.CostProfile.check_shape`)."""
+    profile = cost_profile(model, tuning)
+    n = len(profile)
+    profile.check_shape(
+        lambda context: verify_profile.measure_verify_costs(model, n, context=context),
+        tuning,
+    )
+    return profile
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:

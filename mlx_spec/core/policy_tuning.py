@@ -64,6 +64,11 @@ class PolicyTuning:
     # Probes never cost more than this share of the plain passes between them
     # (a head probe at 4k context costs about two plain passes: one in ~70).
     probe_budget: float = 0.03
+    # A group that has drafted nothing for this many choices (and is not
+    # about to probe) suspends its drafter's upkeep (the MTP head's forwards
+    # and judging: 11% of a plain pass measured); fewer would restart the
+    # head's window on every short stretch of text that does not pay.
+    suspend_after: int = 32
     # A depth probe (one draft more than the best) while the next position
     # has fewer decayed trials than this ...
     depth_evidence: float = 4.0
@@ -82,6 +87,12 @@ class PolicyTuning:
     # than the forward but for a few per cent of graph building it overlaps);
     # a busy profile was 2x too dear at T = 1, 2.7x at T = 9.
     heal_down: float = 0.1
+    # A stored profile where a forward over T >= 3 tokens costs more than
+    # this times the cheapest two shorter forwards covering its tokens (one
+    # forward does their work in fewer steps) was measured on a busy machine:
+    # it is measured again once, since ``auto`` never tries the lengths it
+    # overprices, so passes cannot heal them (inf: never).
+    implausible_ratio: float = 1.2
 
     # Measure the long profile after LONG_CONTEXT tokens where the caches can
     # be written without a prefill (False: after PREFILLED_LONG_CONTEXT, where

@@ -78,6 +78,8 @@ class Scheduler:
             on_device = [d for d in drafts.values() if d.on_device]
             head_steps = max((len(d) for d in on_device), default=0)
             catch_up = catch_up if on_device else 0
+        if not head_steps:  # the heads' upkeep, one row each, as it is priced
+            catch_up = catch_up or head_upkeep(rows, active)
         context = sum(len(rows[b].decoder.history) for b in active) // len(active)
         plan = PassPlan(
             drafts, len(rows), head_steps, catch_up, context, queued, groups
@@ -138,11 +140,14 @@ class Scheduler:
                 others_drafting=sum(1 for k in ks.values() if k > 0),
                 head_fixed=max((ks[b] for b in head_rows if b in ks), default=0),
                 head_catch_up=head_catch_up(rows, [b for b in auto if b in head_rows]),
+                head_upkeep=head_upkeep(rows, active),
                 context=sum(len(rows[b].decoder.history) for b in active)
                 // len(active),
             )
             chosen = self.lengths.choose(request)
             ks.update({b: min(chosen[groups[b]], caps[b]) for b in auto})
+            for b in auto:  # before any row drafts: a resumed head drafts current
+                rest(rows[b].acceptance, self.lengths, rows[b].decoder.drafter)
         longest = max(ks.values())
         filled = {
             b: k if b in head_rows else max(k, min(longest, caps[b]))
@@ -224,6 +229,16 @@ def exchange(acceptance: RowAcceptance, lengths: DraftLengths, drafter):
             contract.tell_paying(drafter, source, paying)
 
 
+def rest(acceptance: RowAcceptance, lengths: DraftLengths, drafter):
+    """After a choice: the row's drafter's sources whose group has drafted
+    nothing for a while, this pass included, stop their upkeep; the others
+    (drafting or probing now) resume theirs."""
+    for source in acceptance.by_source:
+        if source is not None:
+            resting = lengths.resting(group_of_source(source))
+            contract.rest(drafter, source, resting)
+
+
 def head_catch_up(rows, drafting: Collection[int]) -> int:
     """Positions of the catch-up that runs before the rows ``drafting`` draft
     with their heads: every member head's row, padded to the longest of the
@@ -234,3 +249,11 @@ def head_catch_up(rows, drafting: Collection[int]) -> int:
     members = sum(1 for h in heads if h is not None)
     pending = (heads[b].rows.pending_rows for b in drafting if heads[b] is not None)
     return members * max(pending, default=0)
+
+
+def head_upkeep(rows, active: Collection[int]) -> int:
+    """Head rows a pass runs whatever it drafts, on average: one for each
+    ``active`` row whose head's upkeep has not stopped (its accepted rows are
+    run in batches, some pass or other); a suspended head's are not."""
+    heads = (head_drafter(rows[b].decoder.drafter) for b in active)
+    return sum(1 for h in heads if h is not None and not h.rows.suspended)

@@ -97,6 +97,14 @@ class MTPNgramDrafter:
         if source == HEAD_SOURCE:
             self.head_pays = paying
 
+    def suspend(self, source: str):
+        """The head's upkeep stops while its drafts do not pay; the n-gram
+        index goes on (a few dictionary writes a token: nothing to save)."""
+        self.mtp.suspend(source)
+
+    def resume(self, source: str):
+        self.mtp.resume(source)
+
     def saved_arrays(self) -> List[mx.array]:
         return self.mtp.saved_arrays()  # the n-gram index follows the history
 

@@ -26,6 +26,9 @@ in one pass and the drafter is told what was kept.
   - :class:`DefersWork`: it defers work on accepted tokens (the MTP head's
     rows) until a draft needs it, and hands that work over with a kept
     state.
+  - :class:`Suspends`: its upkeep on accepted tokens (the MTP head's
+    forwards, its judging) stops while ``auto`` drafts nothing from a
+    source for a while, and resumes before that source drafts or probes.
   - :class:`KeepsArrays`: it keeps arrays a saved state must carry (a
     drafter without them is rebuilt from the token history).
   - :class:`HeadBased`: it drafts with the model's MTP head, so a batch can
@@ -189,6 +192,23 @@ class DefersWork(Protocol):
 
 
 @runtime_checkable
+class Suspends(Protocol):
+    """A drafter whose upkeep on accepted tokens (the MTP head's forwards
+    over its rows, its judging in hindsight) can stop while a source's
+    drafts do not pay, so that carrying it costs nothing then."""
+
+    def suspend(self, source: str) -> None:
+        """``auto`` has drafted nothing from ``source`` for a while and will
+        not probe it at the next pass: its upkeep stops (no forward, no
+        judging), and it keeps at most a bounded tail of what resuming
+        needs."""
+
+    def resume(self, source: str) -> None:
+        """``source`` may draft or probe at the next pass: its state is made
+        current when it next drafts (without a target forward)."""
+
+
+@runtime_checkable
 class KeepsArrays(Protocol):
     """A drafter whose state is more than its token history."""
 
@@ -301,6 +321,16 @@ def judged(drafter: Drafter) -> Hindsight:
 def tell_paying(drafter: Drafter, source: str, paying: bool):
     if implements(drafter, SelfJudging):
         drafter.set_source_paying(source, paying)
+
+
+def rest(drafter: Drafter, source: str, resting: bool):
+    """Suspend (``resting``) or resume the upkeep of ``drafter``'s ``source``;
+    nothing for a drafter without upkeep to stop."""
+    if implements(drafter, Suspends):
+        if resting:
+            drafter.suspend(source)
+        else:
+            drafter.resume(source)
 
 
 def catch_up(drafter: Drafter):

@@ -32,6 +32,20 @@ class DeferredRows:
         for tokens, hidden in passes:
             self.add(tokens, hidden)
 
+    def keep_last(self, rows: int) -> int:
+        """Drop the oldest rows until at most ``rows`` (>= 1) are held (a
+        pass cut in two keeps its last rows); how many were dropped."""
+        dropped = 0
+        while self.rows > rows:
+            tokens, hidden = self.passes.pop(0)
+            self.rows -= tokens.size
+            cut = min(tokens.size, self.rows + tokens.size - rows)
+            dropped += cut
+            if cut < tokens.size:
+                self.passes.insert(0, (tokens[cut:], hidden[cut:]))
+                self.rows += tokens.size - cut
+        return dropped
+
     def starts(self) -> List[bool]:
         """Per row, whether its token began its pass."""
         return [i == 0 for tokens, _ in self.passes for i in range(tokens.size)]

@@ -44,7 +44,8 @@ class MTPDrafter:
     Contracts (:mod:`.contract`): the core :class:`~.contract.Drafter`, and
     :class:`~.contract.SamplesDrafts`, :class:`~.contract.KnowsEmpty`,
     :class:`~.contract.ReadsPromptRows`, :class:`~.contract.SelfJudging`
-    (one source, ``HEAD_SOURCE``), :class:`~.contract.DefersWork`,
+    (one source, ``HEAD_SOURCE``), :class:`~.contract.Suspends`,
+    :class:`~.contract.DefersWork`,
     :class:`~.contract.KeepsArrays` and :class:`~.contract.HeadBased`.
     """
 
@@ -94,6 +95,17 @@ class MTPDrafter:
 
     def set_source_paying(self, source: str, paying: bool):
         """One source: nothing to choose between."""
+
+    def suspend(self, source: str):
+        """The head's drafts do not pay: its rows are kept (the last few),
+        not run nor judged (``contract.Suspends``)."""
+        if source == HEAD_SOURCE:
+            self.rows.suspend()
+
+    def resume(self, source: str):
+        """The head may draft next: its kept rows run when it does."""
+        if source == HEAD_SOURCE:
+            self.rows.resume()
 
     def can_draft(self) -> bool:
         """Whether the head has a verified row, run or deferred (it can draft)."""

@@ -8,7 +8,10 @@ The last row's post-``mtp.norm`` state ``hm`` and logits are where the next
 draft starts.
 
 Accepted rows are deferred and run in batches, so that passes without a
-draft (``auto`` choosing k = 0) cost no head forward at all. In a batch,
+draft (``auto`` choosing k = 0) cost no head forward at all. While suspended
+(``auto`` has not drafted with the head for a while) they are not run at
+all: only the last ``RESUME_ROWS`` are kept, and the head restarts its
+window over them when it next drafts (docs/auto_policy.md). In a batch,
 ``core.batch_mtp`` takes this state over: it holds the cache, runs the
 deferred rows of several heads as one forward (``take_pending``) and hands
 back each one's last row (``set_last_row``).
@@ -28,6 +31,9 @@ PREFILL_CHUNK = 2048  # prompt rows per head forward (full attention)
 MIN_WINDOW_CHUNK = 256
 PENDING_ROWS = 64  # accepted rows deferred at most before a head forward
 JUDGED_PROMPT_ROWS = 64  # a prompt's last rows judged in hindsight
+# Accepted rows kept while suspended: the window the head restarts over when
+# it resumes (their first drafts judged then), bounded whatever the pause.
+RESUME_ROWS = PENDING_ROWS
 
 Rows = Tuple[mx.array, mx.array]  # tokens [L], hidden [L, H]
 
@@ -44,6 +50,11 @@ class HeadRows:
         self.verified = 0  # rows of verified positions in the cache
         self.pending = DeferredRows()  # accepted rows not yet run
         self.pending_limit = PENDING_ROWS  # a batch that runs the rows lifts it
+        self.suspended = False  # rows are kept (the last few), never run
+        # Rows were dropped while suspended: the cache's rows end before a
+        # gap, so the next run starts an empty window (whoever holds the cache).
+        self.gap = False
+        self.dropped = 0  # accepted rows dropped while suspended, in all
 
     def reset(self):
         """An empty cache, no rows (its window: ``head.attention_window``)."""
@@ -51,6 +62,23 @@ class HeadRows:
         self.pending = DeferredRows()
         self.hm = self.logits = None
         self.verified = 0
+        self.gap = False
+
+    def suspend(self):
+        """Stop the upkeep: accepted rows are kept (the last
+        ``RESUME_ROWS``), not run, and nothing is judged."""
+        self.suspended = True
+
+    def resume(self):
+        """Upkeep again: the kept rows run at the next draft (after an
+        empty window if rows were dropped)."""
+        self.suspended = False
+
+    def restart(self):
+        """An empty window for the rows after a gap (this head's own cache;
+        a batch empties its row of the cache it holds)."""
+        self.cache = self.head.make_cache()
+        self.verified, self.gap = 0, False
 
     def prefill(self, tokens: mx.array, hidden: mx.array):
         """A prompt's rows: tokens [n] (x_1..x_{N-1}) with hidden [n, H]
@@ -94,7 +122,11 @@ class HeadRows:
     def add(self, tokens: mx.array, hidden: mx.array):
         """One pass's accepted rows (tokens [n], hidden [n, H]), deferred."""
         self.pending.add(tokens, hidden)
-        if self.pending.rows >= self.pending_limit:
+        if self.suspended:
+            dropped = self.pending.keep_last(RESUME_ROWS)
+            self.dropped += dropped
+            self.gap = self.gap or dropped > 0
+        elif self.pending.rows >= self.pending_limit:
             self.run_pending()  # bounds the hidden states held
 
     def run_pending(self):
@@ -104,6 +136,8 @@ class HeadRows:
         rows = self.take_pending()
         if rows is None:
             return
+        if self.gap:
+            self.restart()
         tokens, hidden = rows
         bounds = self._chunks(tokens.size, hidden.dtype)
         for start, stop in zip(bounds, bounds[1:]):
@@ -209,7 +243,9 @@ class HeadRows:
         """The verified cache rows of each layer (keys, values; float16) and
         the last row's hm; deferred rows run first."""
         self.run_pending()
-        if self.hm is None:
+        if self.gap:  # rows were dropped: the rows kept start a new window
+            self.restart()
+        if self.hm is None or self.cache[0].offset == 0:
             return []
         rows = []
         for c in self.cache:

@@ -19,7 +19,7 @@ from mlx_spec.core.draft_lengths import (
 )
 from mlx_spec.core.pass_cost import PassCost, PassShape
 from mlx_spec.core.policy_tuning import DEFAULT_TUNING as TUNING
-from mlx_spec.core.scheduler import head_catch_up
+from mlx_spec.core.scheduler import head_catch_up, head_upkeep
 from mlx_spec.drafters.base import HostDrafter
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
@@ -52,6 +52,7 @@ class _Lengths:
         head_catch_up=0,
         context=SHORT_CONTEXT,
         others_drafting=0,
+        head_upkeep=0,
     ):
         ample = [100.0] * 8
         candidates = tuple(
@@ -66,6 +67,7 @@ class _Lengths:
             head_fixed,
             head_catch_up,
             context,
+            head_upkeep=head_upkeep,
         )
         chosen = self.lengths.choose(request)
         return chosen[RowGroup.COPIES], chosen[RowGroup.HEAD]
@@ -307,6 +309,39 @@ def test_the_catch_up_counts_every_member_padded_to_the_longest():
     assert head_catch_up(rows, [0, 2]) == 3 * 5
     assert head_catch_up(rows, [2]) == 3 * 2
     assert head_catch_up(rows, [3]) == head_catch_up(rows, []) == 0
+
+
+def test_the_heads_upkeep_is_priced_into_a_pass_without_head_drafts():
+    """One head row, passes of 1 ms + the profile's forward (7 ms at T = 1,
+    8 at T = 2) + 1 ms a head step + 1 ms per position of head catch-up,
+    fitted. At acceptance 0.2 a draft does not pay against a plain pass with
+    no upkeep (1.2 tokens in 9 ms against 1 in 7), and does against one whose
+    head still runs two rows of upkeep (1 in 9 ms)."""
+    policy = _length()
+    for i in range(300):
+        S, C = i % 2, i % 3
+        T = 1 + S
+        seconds = 0.001 + PROFILE[T - 1] + 0.001 * S + 0.001 * C
+        policy.cost.observe(PassShape(1, T, S, S, C), seconds)
+    head = [([0.2] * 8, 8)]
+    assert policy.choose(1, [], head=head)[1] == 0
+    assert policy.choose(1, [], head=head, head_upkeep=2)[1] >= 1
+
+
+def test_the_upkeep_counts_the_heads_that_are_not_suspended():
+    """A pass's head upkeep: one row for each active row whose head has not
+    stopped its upkeep; rows without a head add nothing."""
+
+    def row(drafter):
+        return SimpleNamespace(decoder=SimpleNamespace(drafter=drafter))
+
+    heads = [MTPDrafter(head=None) for _ in range(3)]
+    heads[1].suspend("mtp")
+    rows = [row(heads[0]), row(NgramDrafter()), row(heads[1]), row(heads[2])]
+    assert head_upkeep(rows, [0, 1, 2, 3]) == 2
+    assert head_upkeep(rows, [1, 2]) == 0
+    heads[1].resume("mtp")
+    assert head_upkeep(rows, [1, 2]) == 1
 
 
 class _NothingToCopy(HostDrafter):

@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 import mlx_spec.core.verify_profile as verify_profile
-from mlx_spec.core.cost_profile import CostProfile
+from mlx_spec.core.cost_profile import CostProfile, implausible_lengths
 from mlx_spec.testing.one_row import OneRow
 from dataclasses import replace
 
@@ -202,3 +202,70 @@ def test_the_decode_loop_heals_a_busy_profile(models, monkeypatch, tmp_path):
     healed, accepted = generate_on_a_busy_profile(models, monkeypatch, tmp_path, pinned)
     assert healed[0] < 0.5 * BUSY[0] and all(h < b for h, b in zip(healed, BUSY))
     assert min(accepted) >= 3 * max(control) + 10, (accepted, control)
+
+
+# Measured while the machine was busy from T = 3 on: flat at three times the
+# quiet T = 2, which a one-token step and a two-token one would beat.
+FLAT = QUIET[:2] + [3 * QUIET[1]] * 7
+
+
+def test_a_profile_of_an_implausible_shape_is_measured_again_once():
+    """A forward over T tokens dearer than two shorter ones covering them is
+    a busy measurement: measured again (short and long), kept and stored; a
+    profile of a plausible shape is not, nor is one checked before; with the
+    ratio at infinity (the control) nothing is."""
+    assert implausible_lengths(FLAT, 1.2) == [2, 3]  # T = 3 and 4
+    assert implausible_lengths(QUIET, 1.2) == [] == implausible_lengths(BUSY, 1.2)
+    measured, written = [], []
+
+    def measure(context):
+        measured.append(context)
+        return list(QUIET) if context == 32 else [2 * c for c in QUIET]
+
+    def store(short, long):
+        written.append((short[:], long[1][:]))
+
+    profile = CostProfile(list(FLAT), (8224, [2 * c for c in FLAT]), store)
+    assert profile.check_shape(measure, TUNING) and measured == [32, 8224]
+    assert profile.short == QUIET and profile.long[1] == [2 * c for c in QUIET]
+    assert written == [(QUIET, [2 * c for c in QUIET])] and profile.version == 1
+    assert not profile.check_shape(measure, TUNING) and len(measured) == 2
+    plausible = CostProfile(list(BUSY), store=store)
+    assert not plausible.check_shape(measure, TUNING) and plausible.short == BUSY
+    never = replace(TUNING, implausible_ratio=float("inf"))
+    control = CostProfile(list(FLAT), store=store)
+    assert not control.check_shape(measure, never) and control.short == FLAT
+    assert len(measured) == 2 and len(written) == 1
+
+
+def test_auto_tries_the_lengths_an_implausible_stored_profile_overpriced(
+    models, monkeypatch, tmp_path
+):
+    """Through the engine's cost model: a stored profile flat from T = 3 on
+    (injected as the first measurement) is measured again when ``auto``
+    first prices passes, and ``auto`` then drafts two tokens and more on a
+    workload accepting 3 drafts in 4. The control (the check off): the
+    stored profile stays, and ``auto`` never drafts more than one token, so
+    no pass ever times the lengths that would heal it."""
+    from mlx_spec.core.policy import pass_cost_model
+
+    def drafts(tuning, where):
+        monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / where))
+        monkeypatch.setattr(verify_profile, "_profiles", {})
+        measures = iter([FLAT, [2 * c for c in FLAT]])  # then the quiet machine
+
+        def measure(model, max_tokens, repeats=3, context=32):
+            quiet = QUIET if context == 32 else [2 * c for c in QUIET]
+            costs = next(measures, None) or quiet
+            return list(costs[:max_tokens])
+
+        monkeypatch.setattr(verify_profile, "measure_verify_costs", measure)
+        model, _ = models["qwen3_next"]
+        cost = pass_cost_model(model, tuning=tuning)
+        return cost.profile.short, drafted_per_pass(cost, tuning=tuning)
+
+    pinned = replace(TUNING, scale_prior_weight=1e6)  # the profile's shape, as fitted
+    kept, control = drafts(replace(pinned, implausible_ratio=float("inf")), "off")
+    assert kept == FLAT and max(control) <= 1
+    healed, tried = drafts(pinned, "on")
+    assert healed == QUIET and settled(tried) > 2
