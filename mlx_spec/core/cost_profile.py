@@ -63,6 +63,26 @@ class CostProfile:
     def __len__(self) -> int:
         return len(self.short)
 
+    def extend(self, short: List[float], long: Optional[List[float]] = None):
+        """Costs of the lengths after the last (``T = n + 1, ...``), measured
+        now (``long``: after the long context): appended as measured, not
+        scaled by corrections of shorter lengths measured another time (a
+        length never timed must not look cheaper than it was measured),
+        and the profile kept rising in T and stored."""
+        with self._lock:
+            self._measured[0] += list(short)
+            self._scale += [1.0] * len(short)
+            self.short[:] = rising(
+                [c * s for c, s in zip(self._measured[0], self._scale)]
+            )
+            if self.long is not None:
+                self._measured[1] += list(long)
+                scaled = [c * s for c, s in zip(self._measured[1], self._scale)]
+                self.long[1][:] = rising(scaled)
+            self.version += 1
+            if self._store is not None:
+                self._store(self.short, self.long)
+
     def verify_cost(self, k: int, context: int = SHORT_CONTEXT) -> float:
         """Seconds of a verify forward over ``1 + k`` tokens after ``context``."""
         base = self.short[k]
@@ -118,10 +138,10 @@ class CostProfile:
                 self._scale[j] = (1 - w) * self._scale[lo] + w * self._scale[hi]
             else:
                 self._scale[j] = self._scale[(below or above)[-1 if below else 0]]
-        self.short[:] = _rising([c * s for c, s in zip(self._measured[0], self._scale)])
+        self.short[:] = rising([c * s for c, s in zip(self._measured[0], self._scale)])
         if self.long is not None:
             long = [c * s for c, s in zip(self._measured[1], self._scale)]
-            self.long[1][:] = _rising(long)
+            self.long[1][:] = rising(long)
         for j, recent in self._recent.items():  # ratios to the new costs
             rescaled = [r * before[j] / self._scale[j] for r in recent]
             recent.clear()
@@ -132,7 +152,7 @@ class CostProfile:
             self._store(self.short, self.long)
 
 
-def _rising(costs: List[float]) -> List[float]:
+def rising(costs: List[float]) -> List[float]:
     """``costs`` made non-decreasing in T (a longer forward never costs less)."""
     out: List[float] = []
     for c in costs:

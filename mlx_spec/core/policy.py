@@ -43,15 +43,17 @@ def pass_cost_model(
     model,
     verify_costs: Optional[List[float]] = None,
     tuning: PolicyTuning = DEFAULT_TUNING,
+    tokens: int = MAX_AUTO_DRAFT_TOKENS + 1,
 ) -> PassCost:
     """The pass-cost model of ``model``'s passes: over ``verify_costs`` (one
     profile, no growth with context) when given, else over the model's
     :class:`~mlx_spec.core.cost_profile.CostProfile` (measured or stored,
-    corrected by the passes timed here), the MTP head's steps priced at
-    first at their measured cost; its constants: ``tuning``."""
+    corrected by the passes timed here; covering T = 1..``tokens``), the
+    MTP head's steps priced at first at their measured cost; its
+    constants: ``tuning``."""
     if verify_costs is not None:
         return PassCost(as_cost_profile(verify_costs), tuning=tuning)
-    profile = cost_profile(model, tuning)
+    profile = cost_profile(model, tuning, tokens)
     return PassCost(profile, head_step_cost(model) or 0.0, tuning)
 
 

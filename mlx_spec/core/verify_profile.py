@@ -1,6 +1,8 @@
 """The cost profile behind ``auto``: what a target forward over T = 1..9
-tokens takes on this machine, after a short and a long context (see
-:func:`long_context`), and what one step of the model's MTP head takes.
+tokens takes on this machine (further for a drafter whose ``auto`` drafts
+go deeper: :func:`cost_profile`'s ``tokens``), after a short and a long
+context (see :func:`long_context`), and what one step of the model's MTP
+head takes.
 
 Measured once per machine, MLX version, BLAS and model (the minimum of a few
 rounds), kept for the process and on disk (:func:`profile_cache_file`), so
@@ -23,7 +25,7 @@ from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
 from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
 from ..cache_dir import cache_dir
 from ..models.identity import model_fingerprint
-from .cost_profile import SHORT_CONTEXT, CostProfile
+from .cost_profile import SHORT_CONTEXT, CostProfile, rising
 from .policy_tuning import DEFAULT_TUNING, PolicyTuning
 
 # Context lengths (tokens before a pass) the long verify costs are measured
@@ -34,11 +36,14 @@ SEED_TOKENS = 32  # tokens run through the model before a long scratch context
 
 # (id(model), context) -> costs; ("cost profile", id(model)) -> CostProfile
 _profiles: Dict[tuple, object] = {}
+# (id(model), long context) -> {T covered: (short key, long key)} on disk
+_store_keys: Dict[tuple, Dict[int, Tuple[str, str]]] = {}
+DEFAULT_TOKENS = MAX_AUTO_DRAFT_TOKENS + 1  # what a profile covers unless asked more
 
 
 def verify_cost_profile(
     model,
-    max_tokens: int = MAX_AUTO_DRAFT_TOKENS + 1,
+    max_tokens: int = DEFAULT_TOKENS,
     repeats: int = 3,
     context: int = SHORT_CONTEXT,
 ):
@@ -47,14 +52,22 @@ def verify_cost_profile(
 
     Measured once per machine, MLX version, BLAS and model: kept for the
     process and on disk (:func:`profile_cache_file`), so later runs skip it.
+    A longer profile than one held (in the process, or stored for the
+    default T = 1..9) measures only the lengths after it.
     """
     key = (id(model), context)
-    if key in _profiles and len(_profiles[key]) >= max_tokens:
-        return _profiles[key][:max_tokens]
+    held = _profiles.get(key, [])
+    if len(held) >= max_tokens:
+        return held[:max_tokens]
     disk_key = _profile_key(model, max_tokens, context)
     costs = _read_profile(disk_key, max_tokens)
     if costs is None:
-        costs = measure_verify_costs(model, max_tokens, repeats, context)
+        if not held and max_tokens > DEFAULT_TOKENS:
+            default = _profile_key(model, DEFAULT_TOKENS, context)
+            held = _read_profile(default, DEFAULT_TOKENS) or []
+        first = len(held) + 1
+        tail = measure_verify_costs(model, max_tokens, repeats, context, first)
+        costs = rising(held + tail)
         _write_profile(disk_key, costs)
     _profiles[key] = costs
     return costs
@@ -127,33 +140,47 @@ def verify_cost_profiles(
     return verify_cost_profile(model), (long, verify_cost_profile(model, context=long))
 
 
-def cost_profile(model, tuning: PolicyTuning = DEFAULT_TUNING) -> CostProfile:
+def cost_profile(
+    model, tuning: PolicyTuning = DEFAULT_TUNING, tokens: int = DEFAULT_TOKENS
+) -> CostProfile:
     """``model``'s :class:`CostProfile`, one per process (and long context,
-    which ``tuning`` chooses): the short and long profiles (measured or
-    stored), corrected in place by the passes ``auto`` times and then written
-    back to disk."""
+    which ``tuning`` chooses), covering at least T = 1..``tokens``: the short
+    and long profiles (measured or stored), corrected in place by the passes
+    ``auto`` times and then written back to disk. One held shorter is
+    extended in place by the lengths after it, measured now."""
     long = long_context(model, tuning)
     key = ("cost profile", id(model), long)
-    if key not in _profiles:
-        verify_cost_profiles(model, tuning)
-        short, long_costs = (
-            _profiles[(id(model), SHORT_CONTEXT)],
-            _profiles[(id(model), long)],
-        )
-        n = len(short)
-        keys = _profile_key(model, n, SHORT_CONTEXT), _profile_key(model, n, long)
+    profile = _profiles.get(key)
+    if profile is not None and len(profile) >= tokens:
+        return profile
+    tokens = max(tokens, len(_profiles.get((id(model), SHORT_CONTEXT), [])))
+    short = verify_cost_profile(model, tokens)
+    long_costs = verify_cost_profile(model, tokens, context=long)
+    keys = _store_keys.setdefault((id(model), long), {})
+    keys[tokens] = _profile_key(model, tokens, SHORT_CONTEXT), _profile_key(
+        model, tokens, long
+    )
+    if profile is None:
 
         def store(short_costs, long_profile):
-            _write_profiles({keys[0]: short_costs, keys[1]: long_profile[1]})
+            short_key, long_key = keys[len(short_costs)]
+            _write_profiles({short_key: short_costs, long_key: long_profile[1]})
 
-        _profiles[key] = CostProfile(short, (long, long_costs), store)
-    return _profiles[key]
+        profile = _profiles[key] = CostProfile(short, (long, long_costs), store)
+    else:
+        n = len(profile)
+        profile.extend(short[n:], long_costs[n:])
+    return profile
 
 
 def measure_verify_costs(
-    model, max_tokens: int, repeats: int = 3, context: int = SHORT_CONTEXT
+    model,
+    max_tokens: int,
+    repeats: int = 3,
+    context: int = SHORT_CONTEXT,
+    first: int = 1,
 ) -> List[float]:
-    """Time target forwards over T = 1..max_tokens tokens on this machine.
+    """Time target forwards over T = first..max_tokens tokens on this machine.
 
     On a scratch cache holding ``context`` random tokens (restored after every
     timed forward), after a warm-up round; the minimum of ``repeats`` rounds
@@ -162,21 +189,18 @@ def measure_verify_costs(
     vocab = model.model.embed_tokens.weight.shape[0] if hasattr(model, "model") else 2
     cache = _scratch_cache(model, vocab, context)
     saved = [c.state for c in cache]
-    best = [float("inf")] * max_tokens
+    best = [float("inf")] * (max_tokens - first + 1)
     for round_ in range(repeats + 1):
-        for T in range(1, max_tokens + 1):
+        for T in range(first, max_tokens + 1):
             tokens = mx.random.randint(0, vocab, (1, T))
             mx.eval(tokens)
             tic = time.perf_counter()
             mx.eval(model(tokens, cache=cache))
             if round_:  # round 0 warms up every shape
-                best[T - 1] = min(best[T - 1], time.perf_counter() - tic)
+                best[T - first] = min(best[T - first], time.perf_counter() - tic)
             for c, state in zip(cache, saved):
                 c.state = state
-    costs = []
-    for t in best:
-        costs.append(max(t, costs[-1] if costs else 0.0))
-    return costs
+    return rising(best)
 
 
 def _scratch_cache(model, vocab: int, context: int) -> list:

@@ -8,12 +8,14 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from . import contract
 from .contract import Drafter, Proposal, host_proposal
 
 # The caps on tokens drafted per verify pass (``num_draft_tokens``):
 MAX_DRAFT_TOKENS = 16  # a number given by the caller, any drafter
 MAX_MTP_DRAFT_TOKENS = 8  # the MTP head: one layer reused per step
-MAX_AUTO_DRAFT_TOKENS = 8  # "auto": the verify-cost profile covers T = 1..9
+# "auto", unless the drafter declares its own ceiling (contract.DraftsLong):
+MAX_AUTO_DRAFT_TOKENS = contract.MAX_AUTO_DRAFT_TOKENS
 
 
 class OneDraftWalk:

@@ -26,9 +26,9 @@ def fresh_profiles(monkeypatch, tmp_path):
     measured = []
     real = profile.measure_verify_costs
 
-    def measure(model, max_tokens, repeats=3, context=profile.SHORT_CONTEXT):
+    def measure(model, max_tokens, repeats=3, context=profile.SHORT_CONTEXT, first=1):
         measured.append(max_tokens)
-        return real(model, max_tokens, 1, context)
+        return real(model, max_tokens, 1, context, first)
 
     monkeypatch.setattr(profile, "measure_verify_costs", measure)
     return measured
