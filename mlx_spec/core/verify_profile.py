@@ -132,12 +132,13 @@ def long_context(model, tuning: PolicyTuning = DEFAULT_TUNING) -> int:
 
 
 def verify_cost_profiles(
-    model, tuning: PolicyTuning = DEFAULT_TUNING
+    model, tuning: PolicyTuning = DEFAULT_TUNING, tokens: int = DEFAULT_TOKENS
 ) -> Tuple[List[float], Tuple[int, List[float]]]:
-    """The profile after ``SHORT_CONTEXT`` tokens, and the long context's
-    length with its profile (measured or cached)."""
+    """The profile over T = 1..``tokens`` after ``SHORT_CONTEXT`` tokens, and
+    the long context's length with its profile (measured or cached)."""
     long = long_context(model, tuning)
-    return verify_cost_profile(model), (long, verify_cost_profile(model, context=long))
+    short = verify_cost_profile(model, tokens)
+    return short, (long, verify_cost_profile(model, tokens, context=long))
 
 
 def cost_profile(
