@@ -15,7 +15,7 @@ Constants: :mod:`.policy_tuning`; the why and the evidence:
 from typing import Dict, List, Optional, Sequence
 
 from ..drafters import contract
-from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
+from ..drafters.contract import MAX_AUTO_DRAFT_TOKENS
 from .cost_profile import SHORT_CONTEXT, as_cost_profile
 from .pass_cost import PassCost
 from .policy_tuning import DEFAULT_TUNING, PolicyTuning

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
+from ..drafters.contract import MAX_AUTO_DRAFT_TOKENS
 from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
 from ..cache_dir import cache_dir
 from ..models.identity import model_fingerprint

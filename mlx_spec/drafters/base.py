@@ -8,14 +8,13 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import contract
 from .contract import Drafter, Proposal, host_proposal
 
 # The caps on tokens drafted per verify pass (``num_draft_tokens``):
 MAX_DRAFT_TOKENS = 16  # a number given by the caller, any drafter
 MAX_MTP_DRAFT_TOKENS = 8  # the MTP head: one layer reused per step
-# "auto", unless the drafter declares its own ceiling (contract.DraftsLong):
-MAX_AUTO_DRAFT_TOKENS = contract.MAX_AUTO_DRAFT_TOKENS
+# "auto": contract.MAX_AUTO_DRAFT_TOKENS, unless the drafter declares its own
+# ceiling (contract.DraftsLong)
 
 
 class OneDraftWalk:
