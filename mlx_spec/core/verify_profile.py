@@ -155,12 +155,13 @@ def cost_profile(
     if profile is not None and len(profile) >= tokens:
         return profile
     tokens = max(tokens, len(_profiles.get((id(model), SHORT_CONTEXT), [])))
-    short = verify_cost_profile(model, tokens)
-    long_costs = verify_cost_profile(model, tokens, context=long)
+    verify_cost_profiles(model, tuning, tokens)
+    # The process's own lists, so that corrections show in them too.
+    short, long_costs = (_profiles[(id(model), c)] for c in (SHORT_CONTEXT, long))
+    n = min(len(short), len(long_costs))
+    short, long_costs = (c if len(c) == n else c[:n] for c in (short, long_costs))
     keys = _store_keys.setdefault((id(model), long), {})
-    keys[tokens] = _profile_key(model, tokens, SHORT_CONTEXT), _profile_key(
-        model, tokens, long
-    )
+    keys[n] = _profile_key(model, n, SHORT_CONTEXT), _profile_key(model, n, long)
     if profile is None:
 
         def store(short_costs, long_profile):
@@ -169,8 +170,10 @@ def cost_profile(
 
         profile = _profiles[key] = CostProfile(short, (long, long_costs), store)
     else:
-        n = len(profile)
-        profile.extend(short[n:], long_costs[n:])
+        held = len(profile)
+        profile.extend(short[held:], long_costs[held:])
+        _profiles[(id(model), SHORT_CONTEXT)] = profile.short
+        _profiles[(id(model), long)] = profile.long[1]
     return profile
 
 
