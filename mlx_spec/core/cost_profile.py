@@ -72,13 +72,13 @@ class CostProfile:
         with self._lock:
             self._measured[0] += list(short)
             self._scale += [1.0] * len(short)
-            self.short[:] = rising(
+            self.short[:] = _rising(
                 [c * s for c, s in zip(self._measured[0], self._scale)]
             )
             if self.long is not None:
                 self._measured[1] += list(long)
                 scaled = [c * s for c, s in zip(self._measured[1], self._scale)]
-                self.long[1][:] = rising(scaled)
+                self.long[1][:] = _rising(scaled)
             self.version += 1
             if self._store is not None:
                 self._store(self.short, self.long)
@@ -138,10 +138,10 @@ class CostProfile:
                 self._scale[j] = (1 - w) * self._scale[lo] + w * self._scale[hi]
             else:
                 self._scale[j] = self._scale[(below or above)[-1 if below else 0]]
-        self.short[:] = rising([c * s for c, s in zip(self._measured[0], self._scale)])
+        self.short[:] = _rising([c * s for c, s in zip(self._measured[0], self._scale)])
         if self.long is not None:
             long = [c * s for c, s in zip(self._measured[1], self._scale)]
-            self.long[1][:] = rising(long)
+            self.long[1][:] = _rising(long)
         for j, recent in self._recent.items():  # ratios to the new costs
             rescaled = [r * before[j] / self._scale[j] for r in recent]
             recent.clear()
@@ -152,7 +152,7 @@ class CostProfile:
             self._store(self.short, self.long)
 
 
-def rising(costs: List[float]) -> List[float]:
+def _rising(costs: List[float]) -> List[float]:
     """``costs`` made non-decreasing in T (a longer forward never costs less)."""
     out: List[float] = []
     for c in costs:

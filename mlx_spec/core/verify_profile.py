@@ -25,7 +25,7 @@ from ..drafters.contract import MAX_AUTO_DRAFT_TOKENS
 from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
 from ..cache_dir import cache_dir
 from ..models.identity import model_fingerprint
-from .cost_profile import SHORT_CONTEXT, CostProfile, rising
+from .cost_profile import SHORT_CONTEXT, CostProfile
 from .policy_tuning import DEFAULT_TUNING, PolicyTuning
 
 # Context lengths (tokens before a pass) the long verify costs are measured
@@ -67,7 +67,8 @@ def verify_cost_profile(
             held = _read_profile(default, DEFAULT_TOKENS) or []
         first = len(held) + 1
         tail = measure_verify_costs(model, max_tokens, repeats, context, first)
-        costs = rising(held + tail)
+        # each rises already; the tail costs no less than the held lengths' last
+        costs = held + [max(c, held[-1]) if held else c for c in tail]
         _write_profile(disk_key, costs)
     _profiles[key] = costs
     return costs
@@ -204,7 +205,10 @@ def measure_verify_costs(
                 best[T - first] = min(best[T - first], time.perf_counter() - tic)
             for c, state in zip(cache, saved):
                 c.state = state
-    return rising(best)
+    costs = []
+    for t in best:
+        costs.append(max(t, costs[-1] if costs else 0.0))
+    return costs
 
 
 def _scratch_cache(model, vocab: int, context: int) -> list:
