@@ -179,7 +179,8 @@ class Session:
         self.options = options
         max_draft = options.max_draft
         if k == "auto" and drafter is not None:  # as deep as its drafter says
-            max_draft = max(max_draft, contract.max_auto_draft(drafter))
+            deepest = min(contract.max_auto_draft(drafter), MAX_DRAFT_TOKENS)
+            max_draft = max(max_draft, deepest)
         self.decoder = SpeculativeDecoder(
             model,
             drafter,
