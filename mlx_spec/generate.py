@@ -11,7 +11,8 @@ from .core.policy_tuning import DEFAULT_TUNING, PolicyTuning
 from .core.policy import checked_cost_profile
 from .core.verify_profile import head_step_cost
 from .core.stats import SpecStats
-from .drafters import default_draft
+from .drafters import contract, default_draft
+from .drafters.base import MAX_DRAFT_TOKENS
 from .loading import use_draft_model
 from .mlx_lm_compat import (
     GenerationResponse,
@@ -206,7 +207,7 @@ def stream_generate(
         if session is None:
             cache = kwargs.get("prompt_cache")
             session = Session(model, options, prompt_cache=cache, stats=stats)
-        measure_for_auto(model, options, stats)
+        measure_for_auto(model, options, stats, session.decoder.drafter)
         tokens = on_stream(
             stream,
             session.generate(
@@ -223,14 +224,19 @@ def stream_generate(
     yield from _responses(model, tokenizer, prompt, tokens, max_tokens, stream, stats)
 
 
-def measure_for_auto(model, options: DecodeOptions, stats: SpecStats) -> None:
-    """Under ``num_draft_tokens="auto"``, the verify costs it decides from,
-    measured before the prompt is fed so that their time is not the
-    prompt's (once per machine, MLX version and model, then read from
-    disk); the seconds go to ``stats.profile_seconds``."""
+def measure_for_auto(
+    model, options: DecodeOptions, stats: SpecStats, drafter=None
+) -> None:
+    """Under ``num_draft_tokens="auto"``, the verify costs it decides from
+    (as deep as ``drafter``'s ``auto`` drafts go) and what its own draft
+    forward costs, measured before the prompt is fed so that their time is
+    not the prompt's (once per machine, MLX version and model, then read
+    from disk); the seconds go to ``stats.profile_seconds``."""
     if options.num_draft_tokens == "auto":
         tic = time.perf_counter()
-        checked_cost_profile(model, options.tuning), head_step_cost(model)
+        tokens = 1 + min(contract.max_auto_draft(drafter), MAX_DRAFT_TOKENS)
+        checked_cost_profile(model, options.tuning, tokens), head_step_cost(model)
+        contract.draft_forward_cost(drafter)
         stats.profile_seconds = time.perf_counter() - tic
 
 

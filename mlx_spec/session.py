@@ -177,10 +177,14 @@ class Session:
                 quantized_kv_start=kv.start,
             )
         self.options = options
+        max_draft = options.max_draft
+        if k == "auto" and drafter is not None:  # as deep as its drafter says
+            deepest = min(contract.max_auto_draft(drafter), MAX_DRAFT_TOKENS)
+            max_draft = max(max_draft, deepest)
         self.decoder = SpeculativeDecoder(
             model,
             drafter,
-            options.max_draft,
+            max_draft,
             rollback=options.rollback,
             prompt_cache=prompt_cache,
             prefill_step_size=options.prefill_step_size,

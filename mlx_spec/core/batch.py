@@ -193,8 +193,8 @@ class BatchDecoder:
         most = self.max_draft if auto else min(k, self.max_draft)
         acceptance = None
         if auto and decoder.drafter is not None:
-            self.scheduler.price(options.verify_costs)
-            acceptance = self.scheduler.acceptance()
+            self.scheduler.price(options.verify_costs, decoder.drafter)
+            acceptance = self.scheduler.acceptance(decoder.drafter)
         id, self._next_id = self._next_id, self._next_id + 1
         stops = set(options.stop_tokens)
         row = BatchRow(

@@ -64,6 +64,26 @@ class CostProfile:
     def __len__(self) -> int:
         return len(self.short)
 
+    def extend(self, short: List[float], long: Optional[List[float]] = None):
+        """Costs of the lengths after the last (``T = n + 1, ...``), measured
+        now (``long``: after the long context): appended as measured, not
+        scaled by corrections of shorter lengths measured another time (a
+        length never timed must not look cheaper than it was measured),
+        and the profile kept rising in T and stored."""
+        with self._lock:
+            self._measured[0] += list(short)
+            self._scale += [1.0] * len(short)
+            self.short[:] = _rising(
+                [c * s for c, s in zip(self._measured[0], self._scale)]
+            )
+            if self.long is not None:
+                self._measured[1] += list(long)
+                scaled = [c * s for c, s in zip(self._measured[1], self._scale)]
+                self.long[1][:] = _rising(scaled)
+            self.version += 1
+            if self._store is not None:
+                self._store(self.short, self.long)
+
     def verify_cost(self, k: int, context: int = SHORT_CONTEXT) -> float:
         """Seconds of a verify forward over ``1 + k`` tokens after ``context``."""
         base = self.short[k]

@@ -5,15 +5,17 @@ Every row of a pass is computed over the same ``T = 1 + the longest draft``
 positions, and the rows drafting with the model's MTP head run its steps
 together, so one row's longer draft makes every row pay. So ``auto`` rows
 share draft lengths, one per :class:`RowGroup`: ``k`` for the rows whose
-drafts cost nothing to make (copies), ``k_h`` for the rows drafting with the
-head, the pair maximising
+drafts cost nothing per token (copies, and a block drafter's block: one
+draft forward whatever ``k``, priced per drafting row), ``k_h`` for the rows
+drafting with the head, the pair maximising
 
     sum over auto rows of E_b(k or k_h)  /  cost(pass)
 
 ``E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` from each row's acceptance
 estimates (:class:`~mlx_spec.core.policy.Acceptance`), and ``cost`` the
 engine's :class:`~mlx_spec.core.pass_cost.PassCost` of ``B`` rows over ``T``
-positions, ``k_h`` head steps and the catch-up the head rows' drafts run. A
+positions, ``k_h`` head steps, the catch-up the head rows' drafts run and
+the draft forwards of the drafting rows whose drafter runs one. A
 sequence decoded alone is a batch of one: its one row is the whole of its
 group, and the pair is its own best length.
 
@@ -39,7 +41,9 @@ from .probe_schedule import ProbeSchedule
 
 
 class RowGroup(Enum):
-    """The rows sharing a draft length: copies, or the MTP head's drafts."""
+    """The rows sharing a draft length: copies (a block drafter's rows too:
+    each draft position costs the verify pass alone), or the MTP head's
+    drafts."""
 
     COPIES = "copies"
     HEAD = "head"
@@ -67,6 +71,7 @@ class Candidate:
     acceptance: Sequence[float]  # a_i of its active source, per position
     evidence: Sequence[float]  # its decayed trials per position
     cap: int  # the most drafts it may make this pass
+    forwards: bool = False  # its draft runs a forward of its own (any length)
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class PassRequest:
     # Positions a pass without head drafts runs anyway: one a pass for each
     # head whose upkeep has not stopped (its deferred rows, run in batches).
     head_upkeep: int = 0
+    others_forwarding: int = 0  # other rows whose draft runs a forward of its own
 
 
 @dataclass(frozen=True)
@@ -116,12 +122,13 @@ class GroupState:
 @dataclass
 class _Table:
     """The pass's expected tokens and seconds for every pair (k, k_h). It is
-    filled before every pass, for up to 81 pairs, so each length's forward
+    filled before every pass, for up to 16 x 9 pairs, so each length's forward
     and the fitted coefficients are looked up once."""
 
     request: PassRequest
     tokens: Dict[RowGroup, List[float]]  # group -> expected tokens per length
     drafting: Dict[RowGroup, List[int]]  # group -> rows drafting per length
+    forwarding: Dict[RowGroup, List[int]]  # of them, rows running a draft forward
     theta: List[float]  # the cost model's coefficients
     forward: Dict[int, float] = field(default_factory=dict)  # T -> forward seconds
     seconds: Dict[Pair, float] = field(default_factory=dict)
@@ -146,6 +153,7 @@ class DraftLengths:
             request,
             {g: _group_tokens(members[g], limits[g] + 1) for g in RowGroup},
             {g: _drafting(members[g], limits[g] + 1) for g in RowGroup},
+            {g: _forwarding(members[g], limits[g] + 1) for g in RowGroup},
             self.cost.coefficients(),
         )
         best, best_speed = (0, 0), None  # (k, k_h)
@@ -175,7 +183,7 @@ class DraftLengths:
         if k == 0 and state.last_choice:
             # Drafting stopped (or a probe ran): the next probe waits by what
             # a draft costs, as fitted (a probe's own time: observe).
-            probe = self.cost.cost(self._probe_shape(table, best, g, len(members)))
+            probe = self.cost.cost(self._probe_shape(table, best, g, members))
             state.probes.space(probe, self._seconds(table, _with(best, g, 0)))
         k = state.probes.apply(k, limit)
         state.deepened = False
@@ -199,9 +207,9 @@ class DraftLengths:
     def _shape(self, table: _Table, ks: Pair) -> PassShape:
         r = table.request
         k, kh = ks
-        drafting = (
-            table.drafting[RowGroup.COPIES][k] + table.drafting[RowGroup.HEAD][kh]
-        )
+        copies, head = RowGroup.COPIES, RowGroup.HEAD
+        drafting = table.drafting[copies][k] + table.drafting[head][kh]
+        forwarding = table.forwarding[copies][k] + table.forwarding[head][kh]
         return PassShape(
             r.rows,
             1 + max(k, kh, r.fixed),
@@ -209,20 +217,22 @@ class DraftLengths:
             max(kh, r.head_fixed),
             r.head_catch_up if kh else r.head_upkeep,
             r.context,
+            forwarding + r.others_forwarding,
         )
 
-    def _probe_shape(self, table: _Table, ks, g: RowGroup, rows: int) -> PassShape:
-        """The pass with group ``g``'s ``rows`` rows drafting one token each,
-        the other group at its length."""
+    def _probe_shape(self, table: _Table, ks, g: RowGroup, members) -> PassShape:
+        """The pass with group ``g``'s rows ``members`` drafting one token
+        each, the other group at its length."""
         shape = self._shape(table, _with(ks, g, 0))
         head = g is RowGroup.HEAD
         return PassShape(
             shape.rows,
             max(shape.T, 2),
-            shape.drafting + rows,
+            shape.drafting + len(members),
             max(shape.head_steps, 1) if head else shape.head_steps,
             table.request.head_catch_up if head else shape.catch_up,
             shape.context,
+            shape.draft_forwards + sum(1 for c in members if c.forwards),
         )
 
     def _seconds(self, table: _Table, ks: Pair) -> float:
@@ -309,6 +319,11 @@ def _drafting(members: List[Candidate], n: int) -> List[int]:
     """``rows[k]`` for ``k < n``: how many rows of ``members`` draft at all
     with ``k`` drafts each (those that may draft)."""
     return [sum(1 for c in members if min(k, c.cap) > 0) for k in range(n)]
+
+
+def _forwarding(members: List[Candidate], n: int) -> List[int]:
+    """Of :func:`_drafting`'s rows, those whose draft runs a forward."""
+    return _drafting([c for c in members if c.forwards], n)
 
 
 def _group_tokens(members: List[Candidate], n: int) -> List[float]:

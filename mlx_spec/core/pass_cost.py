@@ -2,12 +2,15 @@
 
 A pass runs the target over ``rows`` rows of ``T`` positions each (every row
 padded to ``1 +`` the longest draft), the MTP head's steps for the rows that
-draft with it, and the head's catch-up over the rows accepted since it last
-ran. Its seconds are modelled as
+draft with it, the head's catch-up over the rows accepted since it last
+ran, and the draft forwards of the rows whose drafter runs one (a block
+drafter: one forward whatever its draft's length). Its seconds are modelled
+as
 
     extra + scale * forward(rows * T, context) / forward(1)
           + per_row * (rows - 1) + per_drafting_row * D
           + per_head_step * S + per_catch_up * C
+          + per_draft_forward * F + per_draft_forward_kilotoken * F * context / 1000
 
 ``forward(n, context)`` is the measured verify profile of one sequence over
 ``n`` tokens (:class:`~mlx_spec.core.cost_profile.CostProfile`, corrected by
@@ -15,12 +18,16 @@ timed passes of one row), extended past its last length along its upper
 slope: a forward computes about the same whatever rows its tokens belong to
 (the matrix products see ``rows * T`` tokens; attention sees each token's
 context). ``D`` rows draft, ``S`` head steps run (the longest head draft:
-head rows step together), ``C`` catch-up positions run.
+head rows step together), ``C`` catch-up positions run, ``F`` of the
+drafting rows run a draft forward of their own (it attends to the row's
+context, so it grows with it).
 
 The coefficients are a decayed least-squares fit over the passes timed here,
 each pulled towards a prior with the weight of a few passes: ``scale``
 towards the profile (one forward unit), ``per_head_step`` towards the
-profiled step of the head, the rest towards 0, ``extra`` free. Passes of one
+profiled step of the head, the two draft-forward terms towards the
+drafter's measured forward (:meth:`PassCost.price_draft_forward`), the rest
+towards 0, ``extra`` free. Passes of one
 shape alone then move only what they can tell apart (a run of one-token
 passes moves ``extra``), and a coefficient no pass has told is the prior's.
 The first pass of each shape is not counted (it pays the shape's warm-up),
@@ -31,12 +38,13 @@ and a pass of a shape counted before counts as at most
 from dataclasses import dataclass
 from typing import List, Optional
 
+from ..drafters.contract import NO_DRAFT_FORWARD, DraftForwardCost
 from .cost_profile import SHORT_CONTEXT, CostProfile
 from .least_squares import decayed, outer, solve_linear
 from .policy_tuning import DEFAULT_TUNING, PolicyTuning
 
 FEATURES = ("extra", "scale", "per_row", "per_drafting_row", "per_head_step")
-FEATURES += ("per_catch_up",)
+FEATURES += ("per_catch_up", "per_draft_forward", "per_draft_forward_kilotoken")
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,7 @@ class PassShape:
     head_steps: int = 0  # steps of the MTP head (its longest draft)
     catch_up: int = 0  # positions of the head's catch-up
     context: int = SHORT_CONTEXT  # tokens before the pass, averaged over rows
+    draft_forwards: int = 0  # drafting rows whose draft ran a forward of its own
 
 
 def counted_seconds(
@@ -84,6 +93,7 @@ class PassCost:
         self.profile = profile
         self.tuning = tuning
         self.head_step = head_step
+        self.draft_forward = NO_DRAFT_FORWARD  # the prior of the F terms
         self._unit = max(profile.short[0], 1e-9)  # forward(1): scale's unit
         self._reset()
         self._warm: set = set()  # shapes past their first (warm-up) pass
@@ -99,7 +109,9 @@ class PassCost:
 
     def _prior(self):
         """(means, weights) of the coefficients' pulls, in passes' worth."""
+        forward = self.draft_forward
         means = [0.0, self._unit, 0.0, 0.0, self.head_step, 0.0]
+        means += [forward.seconds, forward.per_kilotoken]
         weights = [
             1e-6,  # extra: free (the pull only keeps the fit solvable)
             self.tuning.scale_prior_weight,
@@ -107,6 +119,8 @@ class PassCost:
             self.tuning.fixed_prior_weight,
             self.tuning.slope_prior_weight,
             self.tuning.catch_up_prior_weight,
+            self.tuning.draft_forward_prior_weight,
+            self.tuning.draft_forward_prior_weight,
         ]
         return means, weights
 
@@ -128,6 +142,19 @@ class PassCost:
             # one below 0 (a cheaper draft) is cut back to free.
             self._theta = [extra] + [max(c, 0.0) for c in rest]
         return self._theta
+
+    def price_draft_forward(self, cost: DraftForwardCost):
+        """Rows whose drafter runs a draft forward of its own decode here:
+        its two terms start at ``cost`` (the dearest told, where rows of
+        several drafters share the engine), as the head's step starts at
+        its profiled cost, and the fit refines them."""
+        before = self.draft_forward
+        self.draft_forward = DraftForwardCost(
+            max(before.seconds, cost.seconds),
+            max(before.per_kilotoken, cost.per_kilotoken),
+        )
+        if self.draft_forward != before:
+            self._theta = None
 
     def fitted(self) -> dict:
         """The coefficients by name (:data:`FEATURES`)."""
@@ -154,6 +181,8 @@ class PassCost:
             float(shape.drafting),
             float(shape.head_steps),
             float(shape.catch_up),
+            float(shape.draft_forwards),
+            shape.draft_forwards * shape.context / 1000.0,
         ]
 
     def cost(self, shape: PassShape) -> float:
@@ -167,7 +196,7 @@ class PassCost:
         False when it is not counted (a clock anomaly, a warm-up pass)."""
         if not 0 < seconds < 60:
             return False
-        key = (shape.rows, shape.T, shape.head_steps > 0)
+        key = (shape.rows, shape.T, shape.head_steps > 0, shape.draft_forwards > 0)
         if key not in self._warm:  # it paid the shape's warm-up
             self._warm.add(key)
             return False

@@ -57,6 +57,7 @@ class PassPlan:
     queued: Optional[Forward] = None  # its forward, started by the pass before
     # The auto rows, each with the group whose length it drafted under.
     groups: Dict[int, RowGroup] = field(default_factory=dict)
+    forwards: int = 0  # drafting rows whose draft ran a forward of its own
 
     @cached_property
     def T(self) -> int:
@@ -93,11 +94,12 @@ class PassPlan:
             self.head_steps,
             self.catch_up,
             self.context,
+            self.forwards,
         )
 
     def without_drafts(self) -> "PassPlan":
         """The same pass verifying no drafts (the head's work done for them
-        stays in its shape: it ran)."""
+        stays in its shape: it ran; a lazy draft forward never runs)."""
         drafts = dict.fromkeys(self.drafts, NO_DRAFT)
         return PassPlan(
             drafts,
@@ -107,4 +109,5 @@ class PassPlan:
             self.context,
             self.queued,
             self.groups,
+            0,
         )

@@ -15,7 +15,7 @@ Constants: :mod:`.policy_tuning`; the why and the evidence:
 from typing import Dict, List, Optional, Sequence
 
 from ..drafters import contract
-from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
+from ..drafters.contract import MAX_AUTO_DRAFT_TOKENS
 from .cost_profile import SHORT_CONTEXT, CostProfile, as_cost_profile
 from .pass_cost import PassCost
 from .policy_tuning import DEFAULT_TUNING, PolicyTuning
@@ -44,25 +44,32 @@ def pass_cost_model(
     model,
     verify_costs: Optional[List[float]] = None,
     tuning: PolicyTuning = DEFAULT_TUNING,
+    tokens: int = MAX_AUTO_DRAFT_TOKENS + 1,
 ) -> PassCost:
     """The pass-cost model of ``model``'s passes: over ``verify_costs`` (one
     profile, no growth with context) when given, else over the model's
     :class:`~mlx_spec.core.cost_profile.CostProfile` (measured or stored,
-    corrected by the passes timed here), the MTP head's steps priced at
-    first at their measured cost; its constants: ``tuning``. A stored
-    profile of an implausible shape is measured again first
+    corrected by the passes timed here; covering T = 1..``tokens``), the
+    MTP head's steps priced at first at their measured cost; its
+    constants: ``tuning``. A stored profile of an implausible shape is
+    measured again first
     (:meth:`~mlx_spec.core.cost_profile.CostProfile.check_shape`)."""
     if verify_costs is not None:
         return PassCost(as_cost_profile(verify_costs), tuning=tuning)
-    profile = checked_cost_profile(model, tuning)
+    profile = checked_cost_profile(model, tuning, tokens)
     return PassCost(profile, head_step_cost(model) or 0.0, tuning)
 
 
-def checked_cost_profile(model, tuning: PolicyTuning = DEFAULT_TUNING) -> CostProfile:
-    """``model``'s cost profile (measured or stored), measured again first
+def checked_cost_profile(
+    model,
+    tuning: PolicyTuning = DEFAULT_TUNING,
+    tokens: int = MAX_AUTO_DRAFT_TOKENS + 1,
+) -> CostProfile:
+    """``model``'s cost profile (measured or stored, covering T =
+    1..``tokens``), measured again first
     where a stored one has an implausible shape
     (:meth:`~mlx_spec.core.cost_profile.CostProfile.check_shape`)."""
-    profile = cost_profile(model, tuning)
+    profile = cost_profile(model, tuning, tokens)
     n = len(profile)
     profile.check_shape(
         lambda context: verify_profile.measure_verify_costs(model, n, context=context),

@@ -46,6 +46,10 @@ class PolicyTuning:
     # after a long stretch without drafts catches up many rows.
     row_prior_weight: float = 0.1
     catch_up_prior_weight: float = 0.1
+    # Pull of a drafter's own draft forward (per drafting row, and its growth
+    # with context) towards what the drafter measured: a row drafting every
+    # pass cannot tell it from the fixed cost of drafting, as a head step.
+    draft_forward_prior_weight: float = 0.5
     # While drafting, a plain pass is run once the last one's decayed weight
     # falls below this (about every 28 passes): the cost line is anchored at
     # k = 0 rather than extrapolated to it.

@@ -26,6 +26,7 @@ from .pass_cost import PassCost, PassShape
 from .pass_plan import Forward, PassPlan
 from .policy import RowAcceptance, expected_tokens, pass_cost_model
 from .policy_tuning import PolicyTuning
+from .verify_profile import cost_profile
 
 
 class Scheduler:
@@ -39,17 +40,25 @@ class Scheduler:
         self.cost: Optional[PassCost] = None  # what its passes cost, fitted
         self.lengths: Optional[DraftLengths] = None  # the auto rows' lengths
 
-    def price(self, verify_costs: Optional[List[float]]):
+    def price(self, verify_costs: Optional[List[float]], drafter):
         """The cost model and the choice of an engine with ``auto`` rows (one
-        model prices every row's passes)."""
+        model prices every row's passes), ready for a row of ``drafter``:
+        its profile covers the drafter's longest ``auto`` draft, and a draft
+        forward of its own is priced."""
+        tokens = 1 + min(self.max_draft, contract.max_auto_draft(drafter))
         if self.cost is None:
-            self.cost = pass_cost_model(self.model, verify_costs, self.tuning)
+            self.cost = pass_cost_model(self.model, verify_costs, self.tuning, tokens)
             self.lengths = DraftLengths(self.cost, self.group)
+        elif verify_costs is None and len(self.cost.profile) < tokens:
+            cost_profile(self.model, self.tuning, tokens)  # extended in place
+        if contract.forwards_to_draft(drafter):
+            self.cost.price_draft_forward(contract.draft_forward_cost(drafter))
 
-    def acceptance(self) -> RowAcceptance:
-        """A new ``auto`` row's acceptance estimates."""
-        most = min(self.max_draft, len(self.cost.profile) - 1)
-        return RowAcceptance(most, self.tuning)
+    def acceptance(self, drafter) -> RowAcceptance:
+        """A new ``auto`` row's acceptance estimates (its drafter's longest
+        ``auto`` draft, as far as the profile prices it)."""
+        most = min(self.max_draft, contract.max_auto_draft(drafter))
+        return RowAcceptance(min(most, len(self.cost.profile) - 1), self.tuning)
 
     # -- a pass --------------------------------------------------------------
     def plan(
@@ -81,8 +90,13 @@ class Scheduler:
         if not head_steps:  # the heads' upkeep, one row each, as it is priced
             catch_up = catch_up or head_upkeep(rows, active)
         context = sum(len(rows[b].decoder.history) for b in active) // len(active)
+        forwards = sum(
+            1
+            for b, d in drafts.items()
+            if len(d) and contract.forwards_to_draft(rows[b].decoder.drafter)
+        )
         plan = PassPlan(
-            drafts, len(rows), head_steps, catch_up, context, queued, groups
+            drafts, len(rows), head_steps, catch_up, context, queued, groups, forwards
         )
         return plan if self.copies_pay(rows, plan) else plan.without_drafts()
 
@@ -95,7 +109,7 @@ class Scheduler:
         that length as far as it may: the pass computes every row over the
         same ``1 + longest`` positions, so those drafts cost nothing. A head
         row's would not: each of its drafts is a head step."""
-        ks, caps, auto, head_rows = {}, {}, [], set()
+        ks, caps, auto, head_rows, forwarding = {}, {}, [], set(), set()
         for b in active:
             row = rows[b]
             drafter = row.decoder.drafter
@@ -104,6 +118,8 @@ class Scheduler:
                 ks[b] = caps[b] = 0
                 continue
             caps[b] = room
+            if contract.forwards_to_draft(drafter):
+                forwarding.add(b)
             if row.acceptance is not None:
                 caps[b] = min(room, row.decoder.max_draft, row.acceptance.max_draft)
                 self._exchange(row)
@@ -129,6 +145,7 @@ class Scheduler:
                     rows[b].acceptance.active.acceptance(),
                     rows[b].acceptance.active.drafted,
                     caps[b],
+                    b in forwarding,
                 )
                 for b in auto
             )
@@ -138,6 +155,9 @@ class Scheduler:
                 fixed=max(ks.values(), default=0),
                 others=float(len(ks)),  # rows not auto: one token each, at least
                 others_drafting=sum(1 for k in ks.values() if k > 0),
+                others_forwarding=sum(
+                    1 for b, k in ks.items() if k and b in forwarding
+                ),
                 head_fixed=max((ks[b] for b in head_rows if b in ks), default=0),
                 head_catch_up=head_catch_up(rows, [b for b in auto if b in head_rows]),
                 head_upkeep=head_upkeep(rows, active),
@@ -180,7 +200,8 @@ class Scheduler:
             acceptance = row.acceptance.active.acceptance() if row.acceptance else []
             tokens += expected_tokens(acceptance, len(draft))
         B, context = plan.rows, plan.context
-        spec = self.cost.cost(PassShape(B, T, plan.drafting, 0, 0, context))
+        shape = PassShape(B, T, plan.drafting, 0, 0, context, plan.forwards)
+        spec = self.cost.cost(shape)
         plain = self.cost.cost(PassShape(B, 1, 0, 0, 0, context))
         return tokens / spec >= len(plan.drafts) / plain
 

@@ -11,7 +11,8 @@ from typing import Any, List, Optional
 import mlx.core as mx
 
 from ..drafters import contract
-from ..drafters.base import MAX_AUTO_DRAFT_TOKENS, as_drafter
+from ..drafters.base import as_drafter
+from ..drafters.contract import MAX_AUTO_DRAFT_TOKENS
 from ..drafters.contract import NO_PROPOSAL, Drafter, Proposal
 from ..mlx_lm_compat import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 from .state import SpeculativeCache

@@ -1,6 +1,8 @@
 """The cost profile behind ``auto``: what a target forward over T = 1..9
-tokens takes on this machine, after a short and a long context (see
-:func:`long_context`), and what one step of the model's MTP head takes.
+tokens takes on this machine (further for a drafter whose ``auto`` drafts
+go deeper: :func:`cost_profile`'s ``tokens``), after a short and a long
+context (see :func:`long_context`), and what one step of the model's MTP
+head takes.
 
 Measured once per machine, MLX version, BLAS and model (the minimum of a few
 rounds), kept for the process and on disk (:func:`profile_cache_file`), so
@@ -19,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
+from ..drafters.contract import MAX_AUTO_DRAFT_TOKENS
 from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
 from ..cache_dir import cache_dir
 from ..models.identity import model_fingerprint
@@ -34,11 +36,14 @@ SEED_TOKENS = 32  # tokens run through the model before a long scratch context
 
 # (id(model), context) -> costs; ("cost profile", id(model)) -> CostProfile
 _profiles: Dict[tuple, object] = {}
+# (id(model), long context) -> {T covered: (short key, long key)} on disk
+_store_keys: Dict[tuple, Dict[int, Tuple[str, str]]] = {}
+DEFAULT_TOKENS = MAX_AUTO_DRAFT_TOKENS + 1  # what a profile covers unless asked more
 
 
 def verify_cost_profile(
     model,
-    max_tokens: int = MAX_AUTO_DRAFT_TOKENS + 1,
+    max_tokens: int = DEFAULT_TOKENS,
     repeats: int = 3,
     context: int = SHORT_CONTEXT,
 ):
@@ -47,14 +52,23 @@ def verify_cost_profile(
 
     Measured once per machine, MLX version, BLAS and model: kept for the
     process and on disk (:func:`profile_cache_file`), so later runs skip it.
+    A longer profile than one held (in the process, or stored for the
+    default T = 1..9) measures only the lengths after it.
     """
     key = (id(model), context)
-    if key in _profiles and len(_profiles[key]) >= max_tokens:
-        return _profiles[key][:max_tokens]
+    held = _profiles.get(key, [])
+    if len(held) >= max_tokens:
+        return held[:max_tokens]
     disk_key = _profile_key(model, max_tokens, context)
     costs = _read_profile(disk_key, max_tokens)
     if costs is None:
-        costs = measure_verify_costs(model, max_tokens, repeats, context)
+        if not held and max_tokens > DEFAULT_TOKENS:
+            default = _profile_key(model, DEFAULT_TOKENS, context)
+            held = _read_profile(default, DEFAULT_TOKENS) or []
+        first = len(held) + 1
+        tail = measure_verify_costs(model, max_tokens, repeats, context, first)
+        # each rises already; the tail costs no less than the held lengths' last
+        costs = held + [max(c, held[-1]) if held else c for c in tail]
         _write_profile(disk_key, costs)
     _profiles[key] = costs
     return costs
@@ -119,41 +133,59 @@ def long_context(model, tuning: PolicyTuning = DEFAULT_TUNING) -> int:
 
 
 def verify_cost_profiles(
-    model, tuning: PolicyTuning = DEFAULT_TUNING
+    model, tuning: PolicyTuning = DEFAULT_TUNING, tokens: int = DEFAULT_TOKENS
 ) -> Tuple[List[float], Tuple[int, List[float]]]:
-    """The profile after ``SHORT_CONTEXT`` tokens, and the long context's
-    length with its profile (measured or cached)."""
+    """The profile over T = 1..``tokens`` after ``SHORT_CONTEXT`` tokens, and
+    the long context's length with its profile (measured or cached)."""
     long = long_context(model, tuning)
-    return verify_cost_profile(model), (long, verify_cost_profile(model, context=long))
+    short = verify_cost_profile(model, tokens)
+    return short, (long, verify_cost_profile(model, tokens, context=long))
 
 
-def cost_profile(model, tuning: PolicyTuning = DEFAULT_TUNING) -> CostProfile:
+def cost_profile(
+    model, tuning: PolicyTuning = DEFAULT_TUNING, tokens: int = DEFAULT_TOKENS
+) -> CostProfile:
     """``model``'s :class:`CostProfile`, one per process (and long context,
-    which ``tuning`` chooses): the short and long profiles (measured or
-    stored), corrected in place by the passes ``auto`` times and then written
-    back to disk."""
+    which ``tuning`` chooses), covering at least T = 1..``tokens``: the short
+    and long profiles (measured or stored), corrected in place by the passes
+    ``auto`` times and then written back to disk. One held shorter is
+    extended in place by the lengths after it, measured now."""
     long = long_context(model, tuning)
     key = ("cost profile", id(model), long)
-    if key not in _profiles:
-        verify_cost_profiles(model, tuning)
-        short, long_costs = (
-            _profiles[(id(model), SHORT_CONTEXT)],
-            _profiles[(id(model), long)],
-        )
-        n = len(short)
-        keys = _profile_key(model, n, SHORT_CONTEXT), _profile_key(model, n, long)
+    profile = _profiles.get(key)
+    if profile is not None and len(profile) >= tokens:
+        return profile
+    tokens = max(tokens, len(_profiles.get((id(model), SHORT_CONTEXT), [])))
+    verify_cost_profiles(model, tuning, tokens)
+    # The process's own lists, so that corrections show in them too.
+    short, long_costs = (_profiles[(id(model), c)] for c in (SHORT_CONTEXT, long))
+    n = min(len(short), len(long_costs))
+    short, long_costs = (c if len(c) == n else c[:n] for c in (short, long_costs))
+    keys = _store_keys.setdefault((id(model), long), {})
+    keys[n] = _profile_key(model, n, SHORT_CONTEXT), _profile_key(model, n, long)
+    if profile is None:
 
         def store(short_costs, long_profile):
-            _write_profiles({keys[0]: short_costs, keys[1]: long_profile[1]})
+            short_key, long_key = keys[len(short_costs)]
+            _write_profiles({short_key: short_costs, long_key: long_profile[1]})
 
-        _profiles[key] = CostProfile(short, (long, long_costs), store)
-    return _profiles[key]
+        profile = _profiles[key] = CostProfile(short, (long, long_costs), store)
+    else:
+        held = len(profile)
+        profile.extend(short[held:], long_costs[held:])
+        _profiles[(id(model), SHORT_CONTEXT)] = profile.short
+        _profiles[(id(model), long)] = profile.long[1]
+    return profile
 
 
 def measure_verify_costs(
-    model, max_tokens: int, repeats: int = 3, context: int = SHORT_CONTEXT
+    model,
+    max_tokens: int,
+    repeats: int = 3,
+    context: int = SHORT_CONTEXT,
+    first: int = 1,
 ) -> List[float]:
-    """Time target forwards over T = 1..max_tokens tokens on this machine.
+    """Time target forwards over T = first..max_tokens tokens on this machine.
 
     On a scratch cache holding ``context`` random tokens (restored after every
     timed forward), after a warm-up round; the minimum of ``repeats`` rounds
@@ -162,15 +194,15 @@ def measure_verify_costs(
     vocab = model.model.embed_tokens.weight.shape[0] if hasattr(model, "model") else 2
     cache = _scratch_cache(model, vocab, context)
     saved = [c.state for c in cache]
-    best = [float("inf")] * max_tokens
+    best = [float("inf")] * (max_tokens - first + 1)
     for round_ in range(repeats + 1):
-        for T in range(1, max_tokens + 1):
+        for T in range(first, max_tokens + 1):
             tokens = mx.random.randint(0, vocab, (1, T))
             mx.eval(tokens)
             tic = time.perf_counter()
             mx.eval(model(tokens, cache=cache))
             if round_:  # round 0 warms up every shape
-                best[T - 1] = min(best[T - 1], time.perf_counter() - tic)
+                best[T - first] = min(best[T - first], time.perf_counter() - tic)
             for c, state in zip(cache, saved):
                 c.state = state
     costs = []

@@ -13,7 +13,8 @@ from .contract import Drafter, Proposal, host_proposal
 # The caps on tokens drafted per verify pass (``num_draft_tokens``):
 MAX_DRAFT_TOKENS = 16  # a number given by the caller, any drafter
 MAX_MTP_DRAFT_TOKENS = 8  # the MTP head: one layer reused per step
-MAX_AUTO_DRAFT_TOKENS = 8  # "auto": the verify-cost profile covers T = 1..9
+# "auto": contract.MAX_AUTO_DRAFT_TOKENS, unless the drafter declares its own
+# ceiling (contract.DraftsLong)
 
 
 class OneDraftWalk:

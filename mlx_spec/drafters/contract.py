@@ -38,6 +38,10 @@ in one pass and the drafter is told what was kept.
   - :class:`TakesPromptInPieces`: it reads every row of a prompt and takes
     a prompt fed in chunks chunk by chunk, with the same result as in one
     piece (the sequence then holds no chunk's rows for it).
+  - :class:`DraftsLong`: its drafts are worth trying past
+    :data:`MAX_AUTO_DRAFT_TOKENS` under ``auto`` (a block drafter's block).
+  - :class:`ForwardsToDraft`: a draft runs a forward of its own, once a pass
+    whatever its length (a block forward); ``auto`` prices it.
 
 The engine's values have one type each: a draft is a :class:`Proposal`
 (tokens ``mx.array`` [m] uint32, m <= k, lazy when made on the device; its
@@ -61,6 +65,20 @@ import mlx.core as mx
 Hindsight = Dict[Optional[str], Tuple[int, int]]  # source -> (hits, trials)
 DeferredPass = Tuple[mx.array, mx.array]  # tokens [n], hidden [n, H] of one pass
 HEAD_SOURCE = "mtp"  # the source name of drafts a head-based drafter's head makes
+MAX_AUTO_DRAFT_TOKENS = 8  # "auto"'s ceiling unless a drafter declares its own
+
+
+@dataclass(frozen=True)
+class DraftForwardCost:
+    """What a drafter's own draft forward adds to a pass in which it drafts:
+    seconds after a short context, and their growth per 1,000 tokens of
+    context (the drafter attends to every committed position)."""
+
+    seconds: float
+    per_kilotoken: float = 0.0
+
+
+NO_DRAFT_FORWARD = DraftForwardCost(0.0)  # drafts made without a forward
 
 
 class DraftSite(Enum):
@@ -262,6 +280,26 @@ class TakesPromptInPieces(Protocol):
     takes_prompt_in_pieces: bool
 
 
+@runtime_checkable
+class DraftsLong(Protocol):
+    """A drafter whose drafts ``auto`` considers up to its own ceiling (a
+    block drafter drafts its whole block in one forward, so its deep
+    positions cost the verify pass only)."""
+
+    max_auto_draft: int  # the longest draft ``auto`` may choose for it
+
+
+@runtime_checkable
+class ForwardsToDraft(Protocol):
+    """A drafter whose draft runs a forward of its own, once in a pass it
+    drafts in whatever the draft's length, none in a plain pass, dearer as
+    its context grows (a block forward)."""
+
+    def draft_forward_cost(self) -> DraftForwardCost:
+        """Its draft forward's measured cost (the prior ``auto`` refines
+        from the passes it times)."""
+
+
 # -- the optional contracts' defaults, for a drafter without them ----------------
 _IMPLEMENTS: Dict[Tuple[type, type], bool] = {}
 
@@ -296,6 +334,25 @@ def takes_prompt_in_pieces(drafter: Optional[Drafter]) -> bool:
     if drafter is None or not implements(drafter, TakesPromptInPieces):
         return False
     return bool(drafter.takes_prompt_in_pieces)
+
+
+def max_auto_draft(drafter: Optional[Drafter]) -> int:
+    """The longest draft ``auto`` may choose for ``drafter``."""
+    if drafter is not None and implements(drafter, DraftsLong):
+        return int(drafter.max_auto_draft)
+    return MAX_AUTO_DRAFT_TOKENS
+
+
+def forwards_to_draft(drafter: Optional[Drafter]) -> bool:
+    """Whether ``drafter``'s drafts run a forward of their own."""
+    return drafter is not None and implements(drafter, ForwardsToDraft)
+
+
+def draft_forward_cost(drafter: Optional[Drafter]) -> DraftForwardCost:
+    """What ``drafter``'s draft forward costs (nothing for one without)."""
+    if forwards_to_draft(drafter):
+        return drafter.draft_forward_cost()
+    return NO_DRAFT_FORWARD
 
 
 def can_draft(drafter: Drafter) -> bool:

@@ -30,7 +30,8 @@ import mlx.core as mx
 from ..errors import InputError
 from ..models.dflash.capture import attach_tap, tap_of
 from ..models.dflash.model import DFlashDraftModel
-from .contract import NO_PROPOSAL, DraftSite, Proposal
+from .contract import NO_PROPOSAL, DraftForwardCost, DraftSite, Proposal
+from .dflash_cost import block_forward_cost, feature_width
 
 __all__ = [
     "DFlashDrafter",
@@ -101,9 +102,11 @@ class DFlashDrafter:
     Contracts (:mod:`.contract`): the core :class:`~.contract.Drafter`,
     :class:`~.contract.SamplesDrafts`, :class:`~.contract.KnowsEmpty`,
     :class:`~.contract.KeepsArrays` (its context caches),
-    :class:`~.contract.ReadsFeatures` and
+    :class:`~.contract.ReadsFeatures`,
     :class:`~.contract.TakesPromptInPieces` (context taken in any chunks is
-    the context taken in one).
+    the context taken in one), :class:`~.contract.DraftsLong` (``auto``
+    may draft the whole block but its first token) and
+    :class:`~.contract.ForwardsToDraft` (one block forward a drafting pass).
     ``last_draft_logits`` [m, V]: the logits each drafted token came from.
     """
 
@@ -120,6 +123,16 @@ class DFlashDrafter:
         self.choose = None  # logits, drafted -> (token, q); None: the argmax
         self.last_draft_logits: Optional[mx.array] = None
         self._pending: Optional[int] = None  # the block's first token
+
+    @property
+    def max_auto_draft(self) -> int:
+        """``auto`` may choose any draft the block holds: its positions cost
+        one forward together, whatever ``k``."""
+        return self.max_draft
+
+    def draft_forward_cost(self) -> DraftForwardCost:
+        """What its block forward costs (measured once per drafter model)."""
+        return block_forward_cost(self.model)
 
     @property
     def context_length(self) -> int:
@@ -160,9 +173,7 @@ class DFlashDrafter:
             )
         if hidden.shape[0] != n:
             raise ValueError(f"{where}: {hidden.shape[0]} feature rows for {n}")
-        width = self.model.fc.weight.shape[-1]
-        if getattr(self.model.fc, "bits", None) is not None:  # packed weights
-            width = self.model.fc.weight.shape[-1] * 32 // self.model.fc.bits
+        width = feature_width(self.model)
         if hidden.shape[-1] != width:
             raise ValueError(
                 f"{where}: feature rows of width {hidden.shape[-1]}, the "

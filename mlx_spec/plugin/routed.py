@@ -215,7 +215,7 @@ def _speculative_steps(plugin: "Plugin", bound: Dict[str, Any]):
             return
         cache = bound.get("prompt_cache")
         session = Session(model, options, prompt_cache=cache, stats=stats)
-        measure_for_auto(model, options, stats)
+        measure_for_auto(model, options, stats, session.decoder.drafter)
         steps = on_stream(
             bound.get("stream", generation_stream),
             session.generate(

@@ -19,7 +19,7 @@ from ..core.pass_cost import PassCost, PassShape
 from ..core.policy import RowAcceptance
 from ..core.policy_tuning import DEFAULT_TUNING, PolicyTuning
 from ..core.scheduler import exchange
-from ..drafters.base import MAX_AUTO_DRAFT_TOKENS
+from ..drafters.contract import MAX_AUTO_DRAFT_TOKENS
 
 
 class OneRow:

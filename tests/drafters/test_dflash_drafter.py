@@ -88,12 +88,15 @@ class AgreeingDrafter(DFlashDrafter):
     target's own continuation with every third draft position wrong: drafts
     are accepted, partly, and the target rolls back past the wrong ones.
     Records (context positions, committed positions before the pending
-    token) at every draft."""
+    token) and the length asked at every draft."""
+
+    wrong = 3  # every wrong-th draft position is wrong (0: none)
 
     def __init__(self, draft_model, continuation):
         super().__init__(draft_model)
         self.continuation = list(continuation)
         self.seen = []  # (context length, positions committed before pending)
+        self.asked = []  # the k of every draft
 
     def reset(self, prompt, hidden):
         super().reset(prompt, hidden)
@@ -107,12 +110,15 @@ class AgreeingDrafter(DFlashDrafter):
     def propose(self, k):
         real = super().propose(k)
         self.seen.append((self.context_length, self.committed))
+        self.asked.append(k)
         if not len(real):
             return real
         start = self.committed + 1 - self.prompt_length  # emitted so far
         own = self.continuation[start : start + len(real)]
+        w = self.wrong
         tokens = [
-            t if (start + i) % 3 != 2 else (t + 1) % 256 for i, t in enumerate(own)
+            (t + 1) % 256 if w and (start + i) % w == w - 1 else t
+            for i, t in enumerate(own)
         ]
         # keep the real draft in the graph: its forward runs with the pass
         lazy = mx.array(tokens, mx.uint32) + 0 * real.tokens[: len(tokens)]
@@ -133,6 +139,52 @@ def test_accepted_drafts_roll_back_exactly_and_the_context_follows(setup):
     assert 0 < stats.accepted < stats.drafted, (stats.accepted, stats.drafted)
     # every committed position, and only those, is in the drafter's context
     assert drafter.seen and all(c == n for c, n in drafter.seen), drafter.seen
+
+
+class RightDrafter(AgreeingDrafter):
+    """Every draft position right (the real block forward still runs)."""
+
+    wrong = 0
+
+
+@pytest.fixture(scope="module")
+def deep_block(tmp_path_factory):
+    """(model, tokenizer, drafter directory): a qwen3_5 target of its own and
+    a drafter of 16-token blocks."""
+    root = tmp_path_factory.mktemp("dflash_deep")
+    path = write_tiny_checkpoint(root / "target", "qwen3_5")
+    model, tok = mlx_spec.load(path)
+    plain, plain_tok = mlx_lm.load(str(path))
+    register_twin(model, plain)
+    tok.eos_token_ids, plain_tok.eos_token_ids = set(), set()
+    drafter_dir = write_dflash_checkpoint(root / "drafter", "qwen3_5", block_size=16)
+    yield model, tok, drafter_dir
+    detach_tap(model)
+
+
+def test_auto_drafts_past_eight_when_the_whole_block_is_right(deep_block):
+    """A dflash row under ``auto`` whose drafts are all accepted, priced by a
+    flat verify profile over T = 1..16: ``auto`` asks more than 8 drafts (up
+    to the block's 15; the default ceiling would stop at 8), and the tokens
+    are mlx-lm's. A session with ``auto`` sizes its decoder for the block."""
+    model, tok, drafter_dir = deep_block
+    prompt = prompts("mixed", seed=4)
+    want = reference_tokens(model, tok, prompt, 160)
+    mlx_spec.loading.use_draft_model(model, str(drafter_dir))
+    make_drafter("dflash", model)  # the tap on the drafter's layers
+    drafter = RightDrafter(draft_model_of(model), want)
+    most = drafter.max_auto_draft
+    assert most == drafter.block_size - 1 > 8
+    batch = BatchDecoder(model, n_slots=1, max_draft=most)
+    decoder = fed_decoder(model, prompt, drafter, most)
+    b = batch.add(decoder, RowOptions(160, verify_costs=[0.02] * (most + 1)))
+    rows = {b: []}
+    run_batch(batch, rows)
+    assert rows[b] == want
+    assert 8 < max(drafter.asked) <= most, drafter.asked
+    options = DecodeOptions("dflash", "auto")
+    session = Session(model, options, draft_model=str(drafter_dir))
+    assert session.decoder.max_draft == most
 
 
 def test_rows_of_a_batch_equal_their_decoding_alone(setup):

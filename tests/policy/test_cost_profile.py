@@ -113,9 +113,12 @@ def test_a_corrected_profile_is_written_back_and_read_by_the_next_process(
     monkeypatch.setattr(verify_profile, "_profiles", {})
     measured = []
 
-    def measure(model, max_tokens, repeats=3, context=verify_profile.SHORT_CONTEXT):
+    def measure(
+        model, max_tokens, repeats=3, context=verify_profile.SHORT_CONTEXT, first=1
+    ):
         measured.append(context)
-        return list(BUSY[:max_tokens]) if context == 32 else [2 * c for c in BUSY]
+        busy = BUSY[first - 1 : max_tokens]
+        return list(busy) if context == 32 else [2 * c for c in busy]
 
     monkeypatch.setattr(verify_profile, "measure_verify_costs", measure)
     model, _ = models["qwen3_5"]
@@ -167,8 +170,11 @@ def generate_on_a_busy_profile(models, monkeypatch, tmp_path, tuning, runs=2):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(verify_profile, "_profiles", {})
 
-    def measure(model, max_tokens, repeats=3, context=verify_profile.SHORT_CONTEXT):
-        return list(BUSY[:max_tokens]) if context == 32 else [2 * c for c in BUSY]
+    def measure(
+        model, max_tokens, repeats=3, context=verify_profile.SHORT_CONTEXT, first=1
+    ):
+        busy = BUSY[first - 1 : max_tokens]
+        return list(busy) if context == 32 else [2 * c for c in busy]
 
     monkeypatch.setattr(verify_profile, "measure_verify_costs", measure)
     PassClock(4e-3).install(monkeypatch, engine)

@@ -14,7 +14,7 @@ from mlx_spec.core.policy_tuning import DEFAULT_TUNING as TUNING
 import mlx_spec.core.verify_profile as verify_profile
 from mlx_spec.core.draft_lengths import DraftLengths
 from mlx_spec.testing.one_row import OneRow
-from mlx_spec.drafters.base import MAX_AUTO_DRAFT_TOKENS
+from mlx_spec.drafters.contract import MAX_AUTO_DRAFT_TOKENS
 from mlx_spec.testing.reference import (
     OracleDrafter,
     prompts,

@@ -26,9 +26,9 @@ def fresh_profiles(monkeypatch, tmp_path):
     measured = []
     real = profile.measure_verify_costs
 
-    def measure(model, max_tokens, repeats=3, context=profile.SHORT_CONTEXT):
+    def measure(model, max_tokens, repeats=3, context=profile.SHORT_CONTEXT, first=1):
         measured.append(max_tokens)
-        return real(model, max_tokens, 1, context)
+        return real(model, max_tokens, 1, context, first)
 
     monkeypatch.setattr(profile, "measure_verify_costs", measure)
     return measured
@@ -175,3 +175,44 @@ def test_the_long_profile_is_far_from_the_short_one_where_it_is_cheap(
     assert len(short) == len(long) and fresh_profiles == [len(short)] * 2
     other_cache_kinds()
     assert profile.long_context(model) == profile.PREFILLED_LONG_CONTEXT
+
+
+def test_a_stored_profile_is_extended_by_the_lengths_after_it(
+    models, monkeypatch, tmp_path
+):
+    """A profile stored for T = 1..9 (by an earlier run) is read, and a
+    drafter whose ``auto`` drafts go deeper asks T = 1..16: only T = 10..16
+    are measured (both contexts), appended to the stored lengths and kept.
+    A process already holding the 9 lengths extends its profile in place
+    (the same object, a new version: fits over it start again), reading the
+    16 stored."""
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(profile, "_profiles", {})
+    calls = []
+
+    def measure(model, max_tokens, repeats=3, context=profile.SHORT_CONTEXT, first=1):
+        calls.append((context, first, max_tokens))
+        per_token = 0.001 if context == profile.SHORT_CONTEXT else 0.002
+        return [per_token * T for T in range(first, max_tokens + 1)]
+
+    monkeypatch.setattr(profile, "measure_verify_costs", measure)
+    model = models["qwen3_5"][0]
+    long = profile.long_context(model)
+    want = [0.001 * T for T in range(1, 17)]
+    assert len(profile.cost_profile(model)) == 9
+    assert sorted(calls) == [(profile.SHORT_CONTEXT, 1, 9), (long, 1, 9)]
+    monkeypatch.setattr(profile, "_profiles", {})  # a new process
+    calls.clear()
+    deeper = profile.cost_profile(model, tokens=16)
+    assert sorted(calls) == [(profile.SHORT_CONTEXT, 10, 16), (long, 10, 16)]
+    assert deeper.short == pytest.approx(want)
+    assert deeper.long[1] == pytest.approx([2 * c for c in want])
+    monkeypatch.setattr(profile, "_profiles", {})  # another process
+    calls.clear()
+    held = profile.cost_profile(model)
+    version = held.version
+    assert len(held) == 9 and calls == []
+    assert profile.cost_profile(model, tokens=16) is held
+    assert len(held) == 16 and held.version > version and calls == []
+    assert held.short == pytest.approx(want)
+    assert held.verify_cost(15, long) == pytest.approx(0.032)
