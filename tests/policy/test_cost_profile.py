@@ -260,10 +260,10 @@ def test_auto_tries_the_lengths_an_implausible_stored_profile_overpriced(
         monkeypatch.setattr(verify_profile, "_profiles", {})
         measures = iter([FLAT, [2 * c for c in FLAT]])  # then the quiet machine
 
-        def measure(model, max_tokens, repeats=3, context=32):
+        def measure(model, max_tokens, repeats=3, context=32, first=1):
             quiet = QUIET if context == 32 else [2 * c for c in QUIET]
             costs = next(measures, None) or quiet
-            return list(costs[:max_tokens])
+            return list(costs[first - 1 : max_tokens])
 
         monkeypatch.setattr(verify_profile, "measure_verify_costs", measure)
         model, _ = models["qwen3_next"]
