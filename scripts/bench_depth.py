@@ -62,35 +62,15 @@ import mlx.core as mx
 import mlx_spec
 from mlx_spec.core.policy_tuning import DEFAULT_TUNING
 from mlx_spec.demo import default_model_path
-from mlx_spec.drafters import make_drafter
 from mlx_spec.mlx_lm_compat import make_prompt_cache, plain_stream_generate
 from mlx_spec.timed_runs import interleaved, load_workloads, machine_info
+
+from bench_helpers import HELD_AT_ZERO, held_at_zero
 
 DEMO_LAYERS = 8
 # Tensors that write into the residual stream, scaled by 8 / depth.
 RESIDUAL_WRITES = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
-# ``auto`` that never drafts: no acceptance before evidence, no probes.
-HELD_AT_ZERO = replace(
-    DEFAULT_TUNING, prior_acceptance=0.0, probe_every=10**9, max_probe_every=10**9
-)
 NEVER_RESTING = replace(HELD_AT_ZERO, suspend_after=10**9)
-
-
-class JudgedAsMisses:
-    """A drafter whose first drafts judged in hindsight all count as misses
-    (the judging itself runs): ``auto`` never finds a reason to draft."""
-
-    def __init__(self, inner):
-        self.__dict__["_inner"] = inner
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._inner, name, value)
-
-    def hindsight(self):
-        return {s: (0, trials) for s, (_, trials) in self._inner.hindsight().items()}
 
 
 def build_deep(src: Path, depth: int, dst: Path) -> Path:
@@ -127,9 +107,7 @@ def settings(model):
 
     def spec(draft, tuning, held):
         def run(tok, prompt, n):
-            drafter = make_drafter(draft, model)
-            if held:
-                drafter = JudgedAsMisses(drafter)
+            drafter = held_at_zero(draft, model) if held else draft
             last, out = None, []
             for last in mlx_spec.stream_generate(
                 model, tok, prompt, max_tokens=n, draft=drafter, tuning=tuning

@@ -34,38 +34,16 @@ import argparse
 import collections
 import sys
 import time
-from dataclasses import replace
 
 import mlx_spec
 from mlx_spec import DecodeOptions, Session
 from mlx_spec.core.policy_tuning import DEFAULT_TUNING
 from mlx_spec.core.verify_profile import cost_profile
 from mlx_spec.demo import default_model_path
-from mlx_spec.drafters import make_drafter
 from mlx_spec.mlx_lm_compat import plain_stream_generate
 from mlx_spec.timed_runs import load_workloads
 
-# ``auto`` that never drafts: no acceptance before evidence, no probes.
-HELD_AT_ZERO = replace(
-    DEFAULT_TUNING, prior_acceptance=0.0, probe_every=10**9, max_probe_every=10**9
-)
-
-
-class JudgedAsMisses:
-    """A drafter whose first drafts judged in hindsight all count as misses
-    (the judging itself runs): ``auto`` never finds a reason to draft."""
-
-    def __init__(self, inner):
-        self.__dict__["_inner"] = inner
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._inner, name, value)
-
-    def hindsight(self):
-        return {s: (0, trials) for s, (_, trials) in self._inner.hindsight().items()}
+from bench_helpers import HELD_AT_ZERO, held_at_zero
 
 
 class Counter:
@@ -114,10 +92,8 @@ def run_plain(model, tok, prompt, tokens, counter):
 
 
 def run_spec(model, tok, prompt, tokens, draft, held, counter):
-    drafter = make_drafter(draft, model)
+    drafter = held_at_zero(draft, model) if held else draft
     tuning = HELD_AT_ZERO if held else DEFAULT_TUNING
-    if held:
-        drafter = JudgedAsMisses(drafter)
     session = Session(model, DecodeOptions(drafter, "auto", tuning=tuning))
     out, tic = [], None
     for token, _, _ in session.generate(prompt, max_tokens=tokens):
