@@ -147,13 +147,22 @@ def add_draft_quantize_flag(parser: argparse.ArgumentParser):
 def attach_draft_model(args, model) -> "str | None":
     """Load ``--draft-model`` for ``model`` (a drafter that does not fit is
     refused in one line naming the field); the draft the flags then ask
-    for. ``--draft dflash`` without a drafter is refused in one line."""
+    for. ``--draft dflash`` without a drafter takes the one that ships with
+    the model (the demo model's), else it is refused in one line."""
+    from ..demo import bundled_drafter
     from ..loading import use_draft_model
 
     if args.draft_model is None:
-        if args.draft == "dflash":
-            raise CommandError("--draft dflash needs --draft-model PATH_OR_REPO")
-        return args.draft
+        if args.draft != "dflash":
+            return args.draft
+        with bad_input(FileNotFoundError):
+            bundled = bundled_drafter(args.model)
+        if bundled is None:
+            raise CommandError(
+                "--draft dflash needs --draft-model PATH_OR_REPO (only the "
+                "bundled demo model brings its own)"
+            )
+        args.draft_model = str(bundled)
     if args.draft not in (None, "dflash"):
         raise CommandError(
             f"--draft-model is read by --draft dflash, not --draft {args.draft}"

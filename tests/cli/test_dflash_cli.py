@@ -2,6 +2,7 @@
 the same text as plain decoding, and each wrong use refused on one line."""
 
 import io
+import re
 
 import pytest
 
@@ -139,3 +140,41 @@ def test_bench_runs_dflash_beside_ngram_and_refuses_a_wrong_use(
     rc = bench.main(argv + ["--draft", "ngram", "--draft-model", str(drafter_dir)])
     assert rc == 2
     assert_one_line(capsys.readouterr()[1], "bench", "read by --draft dflash")
+
+
+# Stdlib-like code, the demo model's training distribution (\n as the flag gives it).
+DEMO_PROMPT = (
+    "import os\\nimport sys\\n\\n\\nclass Config:\\n"
+    "    def __init__(self, name, default=None):\\n        "
+)
+
+
+def test_the_demo_model_drafts_with_its_bundled_drafter(capsys):
+    """No --model, no --draft-model: the demo model's own drafter; the text
+    is --draft none's and some drafts are accepted."""
+    flags = ["--max-tokens", "48", "--temp", "0", "--prompt", DEMO_PROMPT]
+    assert main(["generate", *flags, "--draft", "none"]) == 0
+    plain = text_of(capsys.readouterr()[0])
+    argv = ["generate", *flags, "--draft", "dflash", "--num-draft-tokens", "15"]
+    status = main(argv)
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert text_of(out) == plain
+    accepted = re.search(r"(\d+)/(\d+) drafted tokens accepted", out)
+    assert accepted is not None, out
+    assert int(accepted.group(1)) > 0
+
+
+def test_chat_on_the_demo_model_uses_its_drafter(monkeypatch, capsys):
+    from mlx_spec.commands.chat import main as chat_main
+
+    def replies(*extra):
+        monkeypatch.setattr("sys.stdin", io.StringIO("class Config:\n"))
+        status = chat_main(["--max-tokens", "16", "--temp", "0", *extra])
+        out, err = capsys.readouterr()
+        assert status == 0, err
+        return [part.rstrip("\n") for part in out.split(">> ")[1:]]
+
+    plain = replies("--draft", "none")
+    assert any(r.strip() for r in plain)
+    assert replies("--draft", "dflash") == plain
