@@ -283,8 +283,9 @@ class DraftLengths:
             probes.probed(accepted, sum(v.evidence for v in verdicts))
 
     def observe(self, shape: PassShape, seconds: float, drafted: Dict[RowGroup, int]):
-        """A pass of ``shape`` took ``seconds`` (timed fairly); ``drafted``:
-        the drafts each group that chose lengths for it made."""
+        """A pass of ``shape`` took ``seconds`` (one forward, or an edge of
+        the queue its shape counts); ``drafted``: the drafts each group that
+        chose lengths for it made."""
         if not 0 < seconds < 60:
             return  # a clock anomaly
         if not self.cost.observe(shape, seconds):
