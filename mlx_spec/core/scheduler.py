@@ -107,7 +107,7 @@ class Scheduler:
         rows,
         active: List[int],
         heads: Optional[MTPBatch],
-        queue_edges: int,
+        queue_edges: int = 0,
     ) -> Tuple[Dict[int, int], Dict[int, RowGroup]]:
         """Each active row's draft length, and the group of each ``auto``
         row (``queue_edges``: 2 when this pass runs queued ahead, so a draft
