@@ -347,11 +347,12 @@ class BatchDecoder:
         if self.clock.enabled:
             self.clock.lap("commit", [c.state for c in self.row_caches.caches])
         # A pass that queued the next one without running its own queued
-        # forward, or the reverse, did not time one forward.
-        if (p.plan.queued is not None) == p.queued_next:
-            drafted = {b: v.drafted for b, v in p.verdicts.items()}
-            seconds = time.perf_counter() - p.started
-            self.scheduler.observe(p.plan, drafted, seconds)
+        # forward (it restarts the queue), or the reverse (it ends it), did
+        # not time one forward: it is counted as an edge of the queue.
+        drafted = {b: v.drafted for b, v in p.verdicts.items()}
+        seconds = time.perf_counter() - p.started
+        edges = 1 if (p.plan.queued is not None) != p.queued_next else 0
+        self.scheduler.observe(p.plan, drafted, seconds, edges)
 
     def settle(self):
         """A pass queued ahead that will not be verified processed each

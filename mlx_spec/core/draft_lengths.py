@@ -14,8 +14,9 @@ drafting with the head, the pair maximising
 ``E_b(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` from each row's acceptance
 estimates (:class:`~mlx_spec.core.policy.Acceptance`), and ``cost`` the
 engine's :class:`~mlx_spec.core.pass_cost.PassCost` of ``B`` rows over ``T``
-positions, ``k_h`` head steps, the catch-up the head rows' drafts run and
-the draft forwards of the drafting rows whose drafter runs one. A
+positions, ``k_h`` head steps, the catch-up the head rows' drafts run, the
+draft forwards of the drafting rows whose drafter runs one, and, while plain
+passes run queued ahead, the break of that queue a draft causes. A
 sequence decoded alone is a batch of one: its one row is the whole of its
 group, and the pair is its own best length.
 
@@ -90,6 +91,10 @@ class PassRequest:
     # head whose upkeep has not stopped (its deferred rows, run in batches).
     head_upkeep: int = 0
     others_forwarding: int = 0  # other rows whose draft runs a forward of its own
+    # Edges of the plain passes' queue a draft causes: 2 while plain passes
+    # run queued ahead (this pass is one: a draft ends the queue here and the
+    # pass after it restarts it), else 0 (no queue to break).
+    queue_edges: int = 0
 
 
 @dataclass(frozen=True)
@@ -210,14 +215,16 @@ class DraftLengths:
         copies, head = RowGroup.COPIES, RowGroup.HEAD
         drafting = table.drafting[copies][k] + table.drafting[head][kh]
         forwarding = table.forwarding[copies][k] + table.forwarding[head][kh]
+        T = 1 + max(k, kh, r.fixed)
         return PassShape(
             r.rows,
-            1 + max(k, kh, r.fixed),
+            T,
             drafting + r.others_drafting,
             max(kh, r.head_fixed),
             r.head_catch_up if kh else r.head_upkeep,
             r.context,
             forwarding + r.others_forwarding,
+            r.queue_edges if T > 1 else 0,  # a plain pass keeps the queue
         )
 
     def _probe_shape(self, table: _Table, ks, g: RowGroup, members) -> PassShape:
@@ -233,6 +240,7 @@ class DraftLengths:
             table.request.head_catch_up if head else shape.catch_up,
             shape.context,
             shape.draft_forwards + sum(1 for c in members if c.forwards),
+            table.request.queue_edges,  # a probe drafts: it breaks the queue
         )
 
     def _seconds(self, table: _Table, ks: Pair) -> float:
@@ -275,8 +283,9 @@ class DraftLengths:
             probes.probed(accepted, sum(v.evidence for v in verdicts))
 
     def observe(self, shape: PassShape, seconds: float, drafted: Dict[RowGroup, int]):
-        """A pass of ``shape`` took ``seconds`` (timed fairly); ``drafted``:
-        the drafts each group that chose lengths for it made."""
+        """A pass of ``shape`` took ``seconds`` (one forward, or an edge of
+        the queue its shape counts); ``drafted``: the drafts each group that
+        chose lengths for it made."""
         if not 0 < seconds < 60:
             return  # a clock anomaly
         if not self.cost.observe(shape, seconds):

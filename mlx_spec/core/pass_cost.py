@@ -4,13 +4,14 @@ A pass runs the target over ``rows`` rows of ``T`` positions each (every row
 padded to ``1 +`` the longest draft), the MTP head's steps for the rows that
 draft with it, the head's catch-up over the rows accepted since it last
 ran, and the draft forwards of the rows whose drafter runs one (a block
-drafter: one forward whatever its draft's length). Its seconds are modelled
-as
+drafter: one forward whatever its draft's length), and the edges of the
+plain passes' queue it counts, if any. Its seconds are modelled as
 
     extra + scale * forward(rows * T, context) / forward(1)
           + per_row * (rows - 1) + per_drafting_row * D
           + per_head_step * S + per_catch_up * C
           + per_draft_forward * F + per_draft_forward_kilotoken * F * context / 1000
+          + per_queue_edge * Q
 
 ``forward(n, context)`` is the measured verify profile of one sequence over
 ``n`` tokens (:class:`~mlx_spec.core.cost_profile.CostProfile`, corrected by
@@ -20,14 +21,25 @@ slope: a forward computes about the same whatever rows its tokens belong to
 context). ``D`` rows draft, ``S`` head steps run (the longest head draft:
 head rows step together), ``C`` catch-up positions run, ``F`` of the
 drafting rows run a draft forward of their own (it attends to the row's
-context, so it grows with it).
+context, so it grows with it). ``Q`` counts the edges of the queue of plain
+passes (:mod:`.queue_ahead`) a pass stands for. Timed, a pass is an edge (1)
+when it ran a forward queued before its clock started and queues none (it
+ends the queue: its forward was partly computed during the pass before) or
+when it ran its own forward and queues the next (it restarts the queue: its
+graph was built with the device idle, and where the backend makes the host
+wait for most of a queued forward, as MLX's CPU backend does, it waits for
+two); a queued pass in a run of them is not. Neither edge alone is one
+forward, but each break of the queue has one of each, so their mean excess
+over a queued pass is half of what a break costs. Priced, a draft that
+breaks a running queue stands for both (2): the pass choosing it ends the
+queue, and the pass after the draft restarts it.
 
 The coefficients are a decayed least-squares fit over the passes timed here,
 each pulled towards a prior with the weight of a few passes: ``scale``
 towards the profile (one forward unit), ``per_head_step`` towards the
 profiled step of the head, the two draft-forward terms towards the
 drafter's measured forward (:meth:`PassCost.price_draft_forward`), the rest
-towards 0, ``extra`` free. Passes of one
+(``per_queue_edge`` included) towards 0, ``extra`` free. Passes of one
 shape alone then move only what they can tell apart (a run of one-token
 passes moves ``extra``), and a coefficient no pass has told is the prior's.
 The first pass of each shape is not counted (it pays the shape's warm-up),
@@ -45,6 +57,7 @@ from .policy_tuning import DEFAULT_TUNING, PolicyTuning
 
 FEATURES = ("extra", "scale", "per_row", "per_drafting_row", "per_head_step")
 FEATURES += ("per_catch_up", "per_draft_forward", "per_draft_forward_kilotoken")
+FEATURES += ("per_queue_edge",)
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,9 @@ class PassShape:
     catch_up: int = 0  # positions of the head's catch-up
     context: int = SHORT_CONTEXT  # tokens before the pass, averaged over rows
     draft_forwards: int = 0  # drafting rows whose draft ran a forward of its own
+    # Edges of the plain passes' queue it stands for: timed, 1 for a pass that
+    # ends the queue or restarts it; priced, 2 for a draft that breaks it.
+    queue_edges: int = 0
 
 
 def counted_seconds(
@@ -111,7 +127,7 @@ class PassCost:
         """(means, weights) of the coefficients' pulls, in passes' worth."""
         forward = self.draft_forward
         means = [0.0, self._unit, 0.0, 0.0, self.head_step, 0.0]
-        means += [forward.seconds, forward.per_kilotoken]
+        means += [forward.seconds, forward.per_kilotoken, 0.0]
         weights = [
             1e-6,  # extra: free (the pull only keeps the fit solvable)
             self.tuning.scale_prior_weight,
@@ -121,6 +137,7 @@ class PassCost:
             self.tuning.catch_up_prior_weight,
             self.tuning.draft_forward_prior_weight,
             self.tuning.draft_forward_prior_weight,
+            self.tuning.queue_edge_prior_weight,
         ]
         return means, weights
 
@@ -183,6 +200,7 @@ class PassCost:
             float(shape.catch_up),
             float(shape.draft_forwards),
             shape.draft_forwards * shape.context / 1000.0,
+            float(shape.queue_edges),
         ]
 
     def cost(self, shape: PassShape) -> float:
@@ -192,15 +210,17 @@ class PassCost:
         return max(sum(a * b for a, b in zip(f, theta)), 1e-9)
 
     def observe(self, shape: PassShape, seconds: float) -> bool:
-        """A pass of ``shape`` took ``seconds`` (timed fairly: one forward);
-        False when it is not counted (a clock anomaly, a warm-up pass)."""
+        """A pass of ``shape`` took ``seconds`` (one forward, or an edge of
+        the queue its shape counts); False when it is not counted (a clock
+        anomaly, a warm-up pass)."""
         if not 0 < seconds < 60:
             return False
         key = (shape.rows, shape.T, shape.head_steps > 0, shape.draft_forwards > 0)
         if key not in self._warm:  # it paid the shape's warm-up
             self._warm.add(key)
             return False
-        if shape.rows == 1:  # a forward of one row bounds the profile's
+        if shape.rows == 1 and not shape.queue_edges:
+            # A forward of one row, timed whole, bounds the profile's.
             self.profile.observe(shape.T - 1, shape.context, seconds, self.tuning)
         expected = self.cost(shape)
         bound = self.tuning.stall_bound

@@ -50,6 +50,10 @@ class PolicyTuning:
     # with context) towards what the drafter measured: a row drafting every
     # pass cannot tell it from the fixed cost of drafting, as a head step.
     draft_forward_prior_weight: float = 0.5
+    # Pull of the cost of an edge of the plain passes' queue towards 0: until
+    # passes ending and restarting the queue are timed beside queued ones, a
+    # draft is not charged for breaking it.
+    queue_edge_prior_weight: float = 0.1
     # While drafting, a plain pass is run once the last one's decayed weight
     # falls below this (about every 28 passes): the cost line is anchored at
     # k = 0 rather than extrapolated to it.

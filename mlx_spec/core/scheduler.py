@@ -9,6 +9,7 @@ each row's acceptance estimates and the choice what the pass found and what
 it took.
 """
 
+from dataclasses import replace
 from typing import Collection, Dict, List, Optional, Tuple
 
 from ..drafters import contract
@@ -73,7 +74,8 @@ class Scheduler:
         of those decoding; ``heads``: the MTP heads the engine runs together;
         ``queued``: a plain pass's forward the pass before started (its rows
         then draft nothing, but the choice still counts the pass)."""
-        ks, groups = self._lengths(rows, active, heads)
+        edges = 0 if queued is None else 2  # a draft would break the queue
+        ks, groups = self._lengths(rows, active, heads, edges)
         if queued is not None:  # it was started over every row's one token
             ks = dict.fromkeys(active, 0)
         head_steps, catch_up = 0, 0
@@ -101,10 +103,16 @@ class Scheduler:
         return plan if self.copies_pay(rows, plan) else plan.without_drafts()
 
     def _lengths(
-        self, rows, active: List[int], heads: Optional[MTPBatch]
+        self,
+        rows,
+        active: List[int],
+        heads: Optional[MTPBatch],
+        queue_edges: int = 0,
     ) -> Tuple[Dict[int, int], Dict[int, RowGroup]]:
         """Each active row's draft length, and the group of each ``auto``
-        row. A fixed number stays; ``auto`` rows take their group's length.
+        row (``queue_edges``: 2 when this pass runs queued ahead, so a draft
+        would end the queue and restart it after, else 0). A fixed number
+        stays; ``auto`` rows take their group's length.
         Then a copy row drafting less than the longest draft drafts up to
         that length as far as it may: the pass computes every row over the
         same ``1 + longest`` positions, so those drafts cost nothing. A head
@@ -163,6 +171,7 @@ class Scheduler:
                 head_upkeep=head_upkeep(rows, active),
                 context=sum(len(rows[b].decoder.history) for b in active)
                 // len(active),
+                queue_edges=queue_edges,
             )
             chosen = self.lengths.choose(request)
             ks.update({b: min(chosen[groups[b]], caps[b]) for b in auto})
@@ -225,15 +234,24 @@ class Scheduler:
             if b in verdicts:
                 rows[b].acceptance.update(*verdicts[b])
 
-    def observe(self, plan: PassPlan, drafted: Dict[int, int], seconds: float):
-        """The pass took ``seconds`` (timed fairly: one forward); ``drafted``:
-        row index -> drafts it verified."""
+    def observe(
+        self,
+        plan: PassPlan,
+        drafted: Dict[int, int],
+        seconds: float,
+        queue_edges: int = 0,
+    ):
+        """The pass took ``seconds``; ``queue_edges``: 1 when it ended or
+        restarted the queue of plain passes (it did not time one forward:
+        see :class:`~.pass_cost.PassShape`), else 0; ``drafted``: row index
+        -> drafts it verified."""
         if self.lengths is None:
             return
         by_group = {g: 0 for g in set(plan.groups.values())}
         for b, g in plan.groups.items():
             by_group[g] += drafted.get(b, 0)
-        self.lengths.observe(plan.shape, seconds, by_group)
+        shape = replace(plan.shape, queue_edges=queue_edges)
+        self.lengths.observe(shape, seconds, by_group)
 
 
 def exchange(acceptance: RowAcceptance, lengths: DraftLengths, drafter):
