@@ -25,7 +25,21 @@ STREAM_HEADERS = [
 ]
 
 
-class OpenAIExchange:
+class _Exchange:
+    """What every API's exchange does with its response object: add a
+    generation's events to it, and its JSON body."""
+
+    response = None  # the API's response object, set by each exchange
+
+    def add(self, events):
+        for event in events:
+            self.response.add(event)
+
+    def body(self) -> dict:
+        return self.response.body()
+
+
+class OpenAIExchange(_Exchange):
     """One ``/v1/chat/completions`` or ``/v1/completions`` request: its
     prompt and parameters, and its response as JSON or events."""
 
@@ -41,13 +55,6 @@ class OpenAIExchange:
         )
         self.params = params
 
-    def add(self, events):
-        for event in events:
-            self.response.add(event)
-
-    def body(self) -> dict:
-        return self.response.body()
-
     def events(self, events) -> bytes:
         return b"".join(sse(chunk) for chunk in self.response.stream(events))
 
@@ -59,20 +66,13 @@ class OpenAIExchange:
         return sse({"error": {"message": message, "type": "server_error"}})
 
 
-class MessagesExchange:
+class MessagesExchange(_Exchange):
     """One ``/v1/messages`` request (Anthropic's Messages API)."""
 
     def __init__(self, path: str, body: dict, ctx: ServerContext):
         self.stream = field(body, "stream", "bool", False)
         self.prompt, self.state, self.params = anthropic.messages_request(body, ctx)
         self.response = anthropic.MessageResponse(ctx.model_id)
-
-    def add(self, events):
-        for event in events:
-            self.response.add(event)
-
-    def body(self) -> dict:
-        return self.response.body()
 
     def events(self, events) -> bytes:
         return b"".join(sse(d, event=n) for n, d in self.response.stream(events))
@@ -84,7 +84,7 @@ class MessagesExchange:
         return sse(anthropic.error_body(message, 500), event="error")
 
 
-class ResponsesExchange:
+class ResponsesExchange(_Exchange):
     """One ``/v1/responses`` request (OpenAI's Responses API); a stored
     response's conversation is kept in ``kept`` once it has finished."""
 
@@ -96,12 +96,8 @@ class ResponsesExchange:
         self.response = ResponseOutput(ctx.model_id, request)
 
     def add(self, events):
-        for event in events:
-            self.response.add(event)
+        super().add(events)
         self._keep()
-
-    def body(self) -> dict:
-        return self.response.body()
 
     def events(self, events) -> bytes:
         out = self.response.stream(events)
