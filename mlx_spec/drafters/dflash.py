@@ -12,7 +12,11 @@ it ``reads_features``), so that the features follow the contract's rows:
   ``tokens`` (the pending token and the accepted drafts): exactly the
   positions now committed before the new pending token ``tokens[-1]``.
   The context grows by accepted positions only, so a rejected draft leaves
-  nothing here to roll back.
+  nothing here to roll back. The rows are held, not taken in: the context
+  is extended over all rows held in one forward when it is next read (a
+  draft, a saved state) or when :data:`HOLD_POSITIONS` are held, so a
+  stretch of plain passes costs one extend per that many positions, not
+  one a pass.
 - ``propose(k)``: the block ``[pending, mask x (B-1)]`` over the context,
   one forward (lazy, on the device); its first ``k`` positions are the draft.
 
@@ -41,6 +45,11 @@ __all__ = [
 ]
 
 _ATTRIBUTE = "dflash_draft_model"  # where a target keeps its drafter model
+
+# Accepted positions whose feature rows are held before they enter the
+# context in one extend: bounds the rows held (len(target_layer_ids) * H
+# floats a position) while a stretch of plain passes is batched.
+HOLD_POSITIONS = 64
 
 
 def attach_draft_model(model, draft_model: DFlashDraftModel) -> DFlashDraftModel:
@@ -108,6 +117,11 @@ class DFlashDrafter:
     may draft the whole block but its first token) and
     :class:`~.contract.ForwardsToDraft` (one block forward a drafting pass).
     ``last_draft_logits`` [m, V]: the logits each drafted token came from.
+
+    ``hold``: how many accepted positions' feature rows are held before
+    they are taken into the context (1: every pass's at once).
+    ``held_positions``: how many are held now (fewer than ``hold``
+    between calls).
     """
 
     name = "dflash"
@@ -115,14 +129,19 @@ class DFlashDrafter:
     reads_features = True  # the tap's features, not the post-norm state
     takes_prompt_in_pieces = True  # a chunked prompt's features are not held
 
-    def __init__(self, draft_model: DFlashDraftModel):
+    def __init__(self, draft_model: DFlashDraftModel, hold: int = HOLD_POSITIONS):
+        if not isinstance(hold, int) or hold < 1:
+            raise ValueError(f"hold must be an integer >= 1, got {hold!r}")
         self.model = draft_model
+        self.hold = hold
         self.block_size = draft_model.config.block_size
         self.max_draft = self.block_size - 1
         self.cache = draft_model.make_cache()
         self.choose = None  # logits, drafted -> (token, q); None: the argmax
         self.last_draft_logits: Optional[mx.array] = None
         self._pending: Optional[int] = None  # the block's first token
+        self._held: List[mx.array] = []  # feature rows [n, F] not taken in yet
+        self.held_positions = 0
 
     @property
     def max_auto_draft(self) -> int:
@@ -136,8 +155,9 @@ class DFlashDrafter:
 
     @property
     def context_length(self) -> int:
-        """Context positions taken in (every committed position)."""
-        return self.cache[0].offset if self.cache else 0
+        """Context positions taken in or held (every committed position)."""
+        taken = self.cache[0].offset if self.cache else 0
+        return taken + self.held_positions
 
     def set_sampling(self, choose):
         """Choose drafts with ``choose`` (``sampling.make_draft_sampler``);
@@ -153,17 +173,35 @@ class DFlashDrafter:
         """prompt [N]; hidden [N-1, F]: the target's features of
         ``prompt[:-1]`` (None when N == 1)."""
         self.cache = self.model.make_cache()
+        self._held, self.held_positions = [], 0
         self.last_draft_logits = None
         self._pending = int(prompt[-1])
-        self._extend(hidden, len(prompt) - 1, "reset")
+        self._hold(hidden, len(prompt) - 1, "reset")
+        self.take_in_held()  # a prompt's rows are many: taken in at once
 
     def accept(self, tokens: Sequence[int], hidden: Optional[mx.array]):
         """tokens: the accepted drafts and the target's own token; hidden
-        [len(tokens), F]: the features of the inputs that produced them."""
-        self._extend(hidden, len(tokens), "accept")
+        [len(tokens), F]: the features of the inputs that produced them,
+        held until the context is read or ``hold`` positions are held."""
+        self._hold(hidden, len(tokens), "accept")
         self._pending = int(tokens[-1])
+        if self.held_positions >= self.hold:
+            self.take_in_held()
+            # evaluated now, so the rows held and the extend's graph go
+            mx.async_eval([a for c in self.cache for a in c.fetch() if a is not None])
 
-    def _extend(self, hidden: Optional[mx.array], n: int, where: str):
+    def take_in_held(self):
+        """Every held row into the context, in one extend (lazy): what reads
+        the context (a draft, a saved state) calls it first."""
+        if not self._held:
+            return
+        rows = self._held[0] if len(self._held) == 1 else mx.concatenate(self._held)
+        self._held, self.held_positions = [], 0
+        self.model.extend(rows[None], self.cache)
+
+    def _hold(self, hidden: Optional[mx.array], n: int, where: str):
+        """Hold the feature rows ``hidden`` [n, F] (checked now, so a bad
+        row is refused by the call that brought it)."""
         if n == 0:
             return
         if hidden is None:
@@ -179,12 +217,15 @@ class DFlashDrafter:
                 f"{where}: feature rows of width {hidden.shape[-1]}, the "
                 f"drafter reads {width} (is its tap attached to the target?)"
             )
-        self.model.extend(hidden[None], self.cache)
+        self._held.append(hidden)
+        self.held_positions += n
 
     # -- a kept state: each layer's kept context keys and values ---------------
     def saved_arrays(self) -> List[mx.array]:
         """Per layer its kept keys and values, then ``[start of each layer,
-        offset]`` (int32): all a restore needs beside the history."""
+        offset]`` (int32): all a restore needs beside the history (the held
+        rows taken in first)."""
+        self.take_in_held()
         arrays = []
         for c in self.cache:
             keys, values = c.fetch()
@@ -232,6 +273,7 @@ class DFlashDrafter:
                 f"{len(history)} tokens"
             )
         self.cache = self.model.make_cache()
+        self._held, self.held_positions = [], 0
         for i, (c, start) in enumerate(zip(self.cache, starts)):
             c.offset = c.start = start
             if offset > start:  # copied in: the state's arrays stay as they are
@@ -255,6 +297,7 @@ class DFlashDrafter:
             self.last_draft_logits = None
             return NO_PROPOSAL
         m = min(k, self.max_draft)
+        self.take_in_held()
         # The whole block always: its positions attend to each other, so a
         # shorter block would draft differently from the one trained.
         block = self.model.block(mx.array([self._pending], mx.uint32))

@@ -341,7 +341,9 @@ def test_the_head_and_dflash_share_a_model(head_and_drafter):
 
 
 def block_logits(drafter):
-    """The logits of the drafter's next block, its state unchanged."""
+    """The logits of the drafter's next block, its state unchanged (held
+    rows taken in first: the context is every committed position)."""
+    drafter.take_in_held()
     block = drafter.model.block(mx.array([drafter._pending], mx.uint32))
     return drafter.model(block, None, drafter.cache)
 
