@@ -75,11 +75,10 @@ def _zlab_runs(model_path, drafter_dir, prompts, max_tokens):
     except ImportError as e:
         return str(e), {}
     plain, tok = mlx_lm_load(str(model_path))
-    references = [reference_tokens(plain, tok, p, max_tokens) for p in prompts]
     gap = dflash_reference.reference_loop_gap(plain)
-    if gap:
-        reason = f"z-lab's loop cannot run on this target: {gap}"
-        return reason, {"references": references}
+    if gap:  # the references then come from mlx_spec.load's model (see main)
+        return f"z-lab's loop cannot run on this target: {gap}", {}
+    references = [reference_tokens(plain, tok, p, max_tokens) for p in prompts]
     draft, _ = dflash_reference.reference_draft_model(drafter_dir, plain)
     runs = []
     for p in prompts:
