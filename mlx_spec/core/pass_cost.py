@@ -52,7 +52,7 @@ from typing import List, Optional
 
 from ..drafters.contract import NO_DRAFT_FORWARD, DraftForwardCost
 from .cost_profile import SHORT_CONTEXT, CostProfile
-from .least_squares import decayed, outer, solve_linear
+from .least_squares import decayed, outer, solve_nonnegative
 from .policy_tuning import DEFAULT_TUNING, PolicyTuning
 
 FEATURES = ("extra", "scale", "per_row", "per_drafting_row", "per_head_step")
@@ -154,10 +154,10 @@ class PassCost:
             for i, (m, w) in enumerate(zip(means, weights)):
                 A[i][i] += w
                 b[i] += w * m
-            extra, *rest = solve_linear(A, b)
-            # A cost never shrinks as a pass computes more: noise that fits
-            # one below 0 (a cheaper draft) is cut back to free.
-            self._theta = [extra] + [max(c, 0.0) for c in rest]
+            # A cost never shrinks as a pass computes more: a coefficient
+            # noise would fit below 0 (a cheaper draft) is held at 0 and the
+            # fit solved again (``extra`` alone is free).
+            self._theta = solve_nonnegative(A, b, free=(0,))
         return self._theta
 
     def price_draft_forward(self, cost: DraftForwardCost):

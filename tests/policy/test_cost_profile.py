@@ -59,13 +59,16 @@ def test_auto_recovers_its_drafting_from_a_busy_profile():
     assert written and written[-1] == busy.short
 
 
-def test_without_healing_a_busy_profile_keeps_auto_from_drafting():
-    """The control: the same passes, the profile never corrected."""
+def test_without_healing_the_fit_alone_recovers_and_the_profile_stays_busy():
+    """The control: the same passes, the profile never corrected. The online
+    fit prices passes as they were timed, so this process drafts again (its
+    coefficients are fitted under their bounds, not cut to them); the
+    profile, and what the next process reads, stays busy."""
     never = replace(TUNING, heal_window=0)
     quiet = settled(drafted_per_pass(CostProfile(list(QUIET)), tuning=never))
     written = []
     busy = CostProfile(list(BUSY), store=lambda short, long: written.append(short))
-    assert settled(drafted_per_pass(busy, tuning=never)) < 0.5 * quiet
+    assert settled(drafted_per_pass(busy, tuning=never)) >= 0.9 * quiet > 2
     assert busy.short == BUSY and not written
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mlx_spec.core.least_squares import decayed, outer, solve_linear
+from mlx_spec.core.least_squares import decayed, outer, solve_linear, solve_nonnegative
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])
@@ -36,3 +36,40 @@ def test_decayed_sums_of_outer_products_are_normal_equations():
         np.linalg.lstsq(X * np.sqrt(w)[:, None], y * np.sqrt(w), rcond=None)[0],
     )
     assert decayed([1.0], [2.0], 0.5, [0.25]) == [2.75]
+
+
+def _best_over_supports(A, b, free):
+    """The bounded minimum by brute force: for every set of coefficients
+    held at 0, the unconstrained minimum over the rest, kept if feasible."""
+    n, best, best_value = len(b), None, None
+    for mask in range(1 << n):
+        held = [i for i in range(n) if mask >> i & 1]
+        if any(i in free for i in held):
+            continue
+        keep = [i for i in range(n) if i not in held]
+        x = np.zeros(n)
+        x[keep] = np.linalg.solve(A[np.ix_(keep, keep)], b[keep])
+        if all(x[i] >= -1e-12 for i in range(n) if i not in free):
+            value = 0.5 * x @ A @ x - b @ x
+            if best_value is None or value < best_value:
+                best, best_value = x, value
+    return best
+
+
+def test_solve_nonnegative_finds_the_bounded_minimum():
+    """Against a brute force over every set of coefficients held at 0, on
+    confounded random fits (a constant column and one nearly equal to it);
+    the first coefficient is free and may go below 0."""
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        X = rng.normal(size=(25, 5))
+        X[:, 0] = 1.0
+        X[:, 1] = 1.0 + 0.01 * rng.normal(size=25)
+        y = rng.normal(size=25) - 2.0
+        A, b = X.T @ X + 1e-6 * np.eye(5), X.T @ y
+        x = solve_nonnegative(A.tolist(), b.tolist(), free=(0,))
+        assert np.allclose(x, _best_over_supports(A, b, (0,)), atol=1e-7)
+        assert min(x[1:]) >= 0.0
+    # Unconstrained where nothing falls below 0: solve_linear's answer.
+    A, b = [[2.0, 0.0], [0.0, 4.0]], [2.0, 4.0]
+    assert solve_nonnegative(A, b) == solve_linear(A, b) == [1.0, 1.0]

@@ -91,6 +91,26 @@ def test_a_draft_is_never_priced_as_a_gain():
     assert cost.cost(PassShape(rows=2, T=3, drafting=2)) >= plain
 
 
+def test_a_batch_of_constant_rows_is_priced_as_its_passes_ran():
+    """Every pass has 8 rows, so the constant and the cost per row are one
+    term to the fit, and the profile (one sequence's) overprices an 8-row
+    forward 3x here. Passes ran: plain 20 ms, 8 copy drafts of 8 positions
+    70 ms. Priced within 10% both: a coefficient the unconstrained fit would
+    put below 0 is held at 0 and the others solved again, not cut alone
+    (which left the constant's compensation in place: plain passes priced
+    at 2x what they took)."""
+    cost = _cost()
+    plain, drafted = PassShape(rows=8), PassShape(rows=8, T=9, drafting=8)
+    rng = random.Random(5)
+    for i in range(200):
+        shape = drafted if i % 4 == 0 else plain
+        timed = 0.070 if shape is drafted else 0.020
+        cost.observe(shape, timed * (1 + 0.05 * rng.uniform(-1, 1)))
+    assert cost.cost(plain) == pytest.approx(0.020, rel=0.1)
+    assert cost.cost(drafted) == pytest.approx(0.070, rel=0.1)
+    assert min(cost.coefficients()[1:]) >= 0.0
+
+
 def test_a_one_row_pass_under_the_profile_heals_it_and_restarts_the_fit():
     """Plain passes of one row take 3 ms where the profile says 6: the
     profile is lowered (its version moves) and the fit, whose residuals were
