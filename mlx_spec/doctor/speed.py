@@ -6,8 +6,10 @@
   copy and a free-text prompt (``bench``'s runs, alternated in rounds), with
   the acceptance at each draft position pooled over the runs. A cell's
   speedup is the median of its rounds' ratios (each run against the plain
-  run of its own round, so a busy spell falls on both), with their range:
-  its spread on this machine now;
+  run of its own round, so a busy spell falls on both), with their range
+  widened by what a second plain run in each round reads against the first
+  (plain against plain: the noise a ratio of two runs has on this machine
+  now, which a few rounds' range alone understates): its spread;
 - the settings it recommends: a drafter only when it is faster beyond its
   spread, plain decoding only when every drafter is slower beyond its own,
   and otherwise the default drafter at ``auto`` (which drafts where it pays),
@@ -29,6 +31,9 @@ def repeats(quick: bool) -> int:
     """Timed rounds per prompt (each runs every setting once)."""
     return 3 if quick else 5
 
+
+# A second plain run in each round, set against the first like a drafter's.
+CONTROL = "none (again)"
 
 # A drafter is recommended when its speedups, at the low end of their spread,
 # average at least this: a gain this small is not worth a setting.
@@ -77,21 +82,36 @@ def pooled_acceptance(runs: List[dict]) -> Tuple[List[float], List[int], float]:
     )
 
 
-def _row(w, draft, plain, spec) -> dict:
-    """One cell: ``plain`` and ``spec`` are the runs of the same rounds, in
-    order (round i's spec run is set against round i's plain run)."""
-    ratios = [s["tps"] / p["tps"] for p, s in zip(plain, spec) if p["tps"] > 0]
+def ratios(plain: List[dict], runs: List[dict]) -> List[float]:
+    """Each round's run of ``runs`` against that round's plain run."""
+    return [s["tps"] / p["tps"] for p, s in zip(plain, runs) if p["tps"] > 0]
+
+
+def noise(plain: List[dict], control: List[dict]) -> float:
+    """The factor a ratio of two runs of the same setting strayed from 1 at
+    most over the rounds (``control``: a second plain run in each round; 1
+    without one)."""
+    return max((max(r, 1 / r) for r in ratios(plain, control) if r > 0), default=1.0)
+
+
+def _row(w, draft, plain, spec, control=()) -> dict:
+    """One cell: ``plain``, ``spec`` and ``control`` (a second plain run in
+    each round) are the runs of the same rounds, in order (round i's spec
+    run is set against round i's plain run)."""
+    speedups = ratios(plain, spec)
     acceptance, drafted, per_pass = pooled_acceptance(spec)
-    low, high = (min(ratios), max(ratios)) if ratios else (0.0, 0.0)
+    low, high = (min(speedups), max(speedups)) if speedups else (0.0, 0.0)
+    widen = noise(plain, list(control))
     return {
         "prompt": w["name"],
         "kind": w["kind"],
         "draft": draft,
         "plain_tps": statistics.median(r["tps"] for r in plain),
         "tps": statistics.median(r["tps"] for r in spec),
-        "speedup": statistics.median(ratios) if ratios else 0.0,
-        "speedup_range": [low, high],
-        "verdict": verdict(low, high, sum(drafted)),
+        "speedup": statistics.median(speedups) if speedups else 0.0,
+        "speedup_range": [low / widen, high * widen],
+        "plain_against_plain": widen,
+        "verdict": verdict(low / widen, high * widen, sum(drafted)),
         "acceptance_per_position": acceptance,
         "drafted_per_position": drafted,
         "tokens_per_pass": per_pass,
@@ -116,16 +136,17 @@ def measure(
         run_plain(model, tokenizer, prompt, 4)
         for d in drafters:
             run_spec(model, tokenizer, prompt, 4, d, "auto")
-        runs: Dict[str, list] = {s: [] for s in ["none", *drafters]}
-        for _, setting in interleaved(["none", *drafters], repeats):
-            if setting == "none":
-                runs["none"].append(run_plain(model, tokenizer, prompt, n))
+        settings = ["none", *drafters, CONTROL]
+        runs: Dict[str, list] = {s: [] for s in settings}
+        for _, setting in interleaved(settings, repeats):
+            if setting in ("none", CONTROL):
+                runs[setting].append(run_plain(model, tokenizer, prompt, n))
             else:
                 runs[setting].append(
                     run_spec(model, tokenizer, prompt, n, setting, "auto")
                 )
             progress and progress()
-        rows += [_row(w, d, runs["none"], runs[d]) for d in drafters]
+        rows += [_row(w, d, runs["none"], runs[d], runs[CONTROL]) for d in drafters]
     return rows
 
 
@@ -209,7 +230,8 @@ def check_speed(
             f"{r['prompt']} / {r['draft']} / auto",
             FAIL if differs is not None else PASS,
             f"{r['tps']:.1f} tok/s against plain {r['plain_tps']:.1f} "
-            f"({r['speedup']:.2f}x, {low:.2f}-{high:.2f}x over the rounds: "
+            f"({r['speedup']:.2f}x, {low:.2f}-{high:.2f}x over the rounds "
+            f"with plain against plain's {r['plain_against_plain']:.2f}x: "
             f"{r['verdict']}), acceptance per position {acc}"
             + ("" if differs is None else f"; tokens differ from plain from {differs}"),
         )
@@ -218,4 +240,4 @@ def check_speed(
 
 
 def speed_steps(model, prompts: List[dict], quick: bool) -> int:
-    return len(prompts) * repeats(quick) * (1 + len(available_drafters(model)))
+    return len(prompts) * repeats(quick) * (2 + len(available_drafters(model)))

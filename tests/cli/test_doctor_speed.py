@@ -48,6 +48,40 @@ def test_a_cell_is_judged_by_its_spread_over_the_rounds():
     assert _cell("ngram", [0.69, 0.7, 0.72], drafts=0)["verdict"] == Verdict.NO_DRAFTS
 
 
+def test_a_cell_is_widened_by_plain_against_plain():
+    """A second plain run each round read 0.92x of the first once: the noise
+    of a ratio of two runs here. A drafter at 0.95-0.97x is within it (a
+    cell with no drafts cannot read slower than plain beyond its spread);
+    one at 0.80-0.85x is slower still, and one at 1.15-1.2x faster."""
+    from mlx_spec.core.stats import SpecStats
+    from mlx_spec.doctor.speed import Verdict, _row
+
+    def run(tps, made=2):
+        stats = SpecStats()
+        stats.record(made, made, made + 1)
+        return {"tps": tps, "tokens": [1], "stats": stats}
+
+    plain = [run(100.0, 0) for _ in range(3)]
+    control = [run(100.0, 0), run(92.0, 0), run(101.0, 0)]
+
+    def cell(*tps):
+        return _row(
+            {"name": "p", "kind": "free"}, "mtp", plain, [run(t) for t in tps], control
+        )
+
+    near = cell(95.0, 96.0, 97.0)
+    assert near["plain_against_plain"] == pytest.approx(100 / 92)
+    assert near["speedup"] == pytest.approx(0.96)  # the median is not widened
+    assert near["speedup_range"] == pytest.approx([0.95 * 0.92, 0.97 * 100 / 92])
+    assert near["verdict"] == Verdict.WITHIN
+    assert (
+        _row({"name": "p", "kind": "free"}, "mtp", plain, [run(95.0)] * 3)["verdict"]
+        == Verdict.SLOWER
+    )  # the control: without plain against plain
+    assert cell(80.0, 85.0, 82.0)["verdict"] == Verdict.SLOWER
+    assert cell(115.0, 120.0, 118.0)["verdict"] == Verdict.FASTER
+
+
 def test_a_round_is_set_against_its_own_plain_run():
     """A busy spell slows both runs of its round: their ratio stays."""
     from mlx_spec.core.stats import SpecStats
