@@ -33,6 +33,9 @@ class ProbeSchedule:
         self.every = tuning.probe_every  # plain passes before the next probe
         self.waited = 0  # plain passes since the last probe
         self.probing = False  # the last choice was a probe
+        # The dearest probe since the last spacing (a streak's first probe
+        # pays the head's resumption, the ones after it do not).
+        self.dearest = 0.0
 
     def apply(self, best: int, limit: int) -> int:
         """``best``, or one draft where a probe is due (``best == 0``)."""
@@ -65,14 +68,20 @@ class ProbeSchedule:
             self.every = min(longer, self.tuning.max_probe_every)
 
     def space(self, probe_seconds: float, plain_seconds: float):
-        """A probe (not one of a streak) takes ``probe_seconds``: wait long
-        enough before the next for probes to cost at most
-        ``tuning.probe_budget`` of the plain passes between them."""
+        """A probe took ``probe_seconds``: wait long enough before the next
+        for probes to cost at most ``tuning.probe_budget`` of the plain
+        passes between them. Within a streak the wait is 1; its probes are
+        remembered, and the streak's end is spaced by its dearest: the
+        first probe after a rest resumes the drafter (the MTP head catches
+        up on every kept row, 5-10 plain passes in a batch of 8), the
+        cheap ones after it must not set the wait before the next rest's."""
+        self.dearest = max(self.dearest, probe_seconds - plain_seconds)
         if self.every <= 1:
             return
-        extra = probe_seconds - plain_seconds
-        wait = math.ceil(extra / (self.tuning.probe_budget * plain_seconds))
+        budget = self.tuning.probe_budget * plain_seconds
+        wait = math.ceil(self.dearest / budget)
         self.every = min(max(self.every, wait), self.tuning.max_probe_every)
+        self.dearest = 0.0
 
 
 class _ProbeFields:

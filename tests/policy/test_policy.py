@@ -104,6 +104,28 @@ def test_probes_are_spaced_by_what_they_cost(probe_ms, wait):
     assert plain - (TUNING.probe_every - 1) == pytest.approx(wait - 1, rel=0.1)
 
 
+def test_a_streak_is_spaced_by_its_dearest_probe():
+    """A streak's first probe resumed the drafter (200 ms against 20 ms
+    plain passes), the next cost 51 ms: the wait after the streak is the
+    first's (capped at max_probe_every), not the second's (52 passes); the
+    control, a streak of two cheap probes, waits by their cost."""
+    from mlx_spec.core.probe_schedule import ProbeSchedule
+
+    def after_streak(first_ms: float, second_ms: float) -> int:
+        probes = ProbeSchedule(TUNING)
+        probes.probed(True, evidence=0.0)  # little evidence: a streak
+        assert probes.every == 1
+        probes.space(first_ms * 1e-3, 20e-3)
+        probes.probed(True, evidence=TUNING.probe_streak_evidence)
+        probes.space(second_ms * 1e-3, 20e-3)
+        return probes.every
+
+    budget = TUNING.probe_budget * 20e-3
+    assert after_streak(200.0, 51.0) == TUNING.max_probe_every
+    assert after_streak(51.0, 51.0) == math.ceil(31e-3 / budget) == 52
+    assert after_streak(30.0, 51.0) == 52  # the second was the dearer
+
+
 def test_the_first_probe_after_drafting_stops_waits_by_what_drafts_cost():
     """Passes drafting 2 tokens took 25 ms, plain ones 10 ms; then drafts
     stop being accepted. The first probe comes after more than twice
