@@ -44,7 +44,7 @@ from .batch_mtp import MTPBatch, head_drafter
 from .batch_row import BatchRow
 from .pass_plan import Forward, PassPlan
 from .policy_tuning import DEFAULT_TUNING, PolicyTuning
-from .queue_ahead import QueueAhead
+from .queue_ahead import QueueAhead, plain_tokens
 from .row_caches import BatchCaches, RowCaches, SequenceCaches
 from .row_guard import RowFailed, RowGuard
 from .sampling import make_draft_sampler, make_sampler, verification_of
@@ -279,10 +279,11 @@ class BatchDecoder:
         plain = None
         if queue_ahead and self.ahead.pays(plan, active):
             plain = self.ahead.queue(logprobs)
+        queued_next = plain is not None
+        if plan.T == 1 and plain is None:
+            plain = plain_tokens(self.rows, active, logprobs)
         out = self.accept(plan, logits, logprobs, plain)
-        self._verified = _Verified(
-            started, plan, hidden, out.verdicts, plain is not None
-        )
+        self._verified = _Verified(started, plan, hidden, out.verdicts, queued_next)
         self.clock.lap("sampling")
         return out.emitted
 
@@ -295,12 +296,12 @@ class BatchDecoder:
         with self.positions.ragged(lengths, plan.T):
             return self.target.forward_rows(self._inputs(plan), self.positions)
 
-    def accept(self, plan: PassPlan, logits, logprobs, plain: Optional[List[int]]):
+    def accept(self, plan: PassPlan, logits, logprobs, plain: Optional[Dict[int, int]]):
         """Each active row's verdict on its draft: greedy or rejection
         sampling against its own sampler and processors, then what it emits
-        (up to a stop token or its budget); ``plain``: the tokens a queued
-        plain pass already sampled. A row whose sampler or processors raise
-        keeps nothing of the pass and stops."""
+        (up to a stop token or its budget); ``plain``: row index -> its token
+        of a plain pass, sampled for every row at once. A row whose sampler
+        or processors raise keeps nothing of the pass and stops."""
         verdicts, emitted = {}, {}
         lengths = plan.lengths
         for b, draft in plan.drafts.items():

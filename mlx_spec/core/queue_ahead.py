@@ -11,7 +11,7 @@ before it is read roll it back (:meth:`QueueAhead.unqueue`).
 """
 
 import weakref
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -56,20 +56,17 @@ class QueueAhead:
                 return False  # a fixed draft length
         return e.scheduler.next_is_plain()
 
-    def queue(self, logprobs: mx.array) -> Optional[List[int]]:
+    def queue(self, logprobs: mx.array) -> Optional[Dict[int, int]]:
         """Each row's token of this plain pass (logprobs: [B, 1, V]). This
         pass is committed and the next one, over these tokens, queued before
         the host waits for them. None (nothing queued) when a row's sampler
         fails."""
         e = self.engine
-        try:
-            choices = mx.concatenate(
-                [row.sampler(logprobs[b]) for b, row in enumerate(e.rows)]
-            )  # [B]
-        except RowFailed:  # that row fails in the pass, which queues nothing
+        choices = sample_rows(e.rows, range(len(e.rows)), logprobs)
+        if choices is None:  # that row fails in the pass, which queues nothing
             return None
         self.forward = queue_after(choices, logprobs, lambda: self._start(choices))
-        return choices.tolist()
+        return dict(enumerate(choices.tolist()))
 
     def _start(self, choices: mx.array) -> Forward:
         """This plain pass committed, the next one's forward over ``choices``
@@ -105,3 +102,28 @@ class QueueAhead:
             row.decoder.processed = len(row.decoder.history)
             if hidden is not None:
                 row.decoder.last_hidden = hidden[b]
+
+
+def sample_rows(rows, indices: Sequence[int], logprobs: mx.array) -> Optional[mx.array]:
+    """The tokens [len(indices)] the rows ``indices`` of ``rows`` sample from
+    a plain pass's ``logprobs`` [B, 1, V], lazily, as ``verify_draft``
+    samples a row's plain pass: read with one wait for them all instead of
+    one a row. None when a row's sampler fails (each row then verifies
+    alone, and the failing one stops)."""
+    try:
+        return mx.concatenate([rows[b].sampler(logprobs[b]) for b in indices])
+    except RowFailed:
+        return None
+
+
+def plain_tokens(
+    rows, active: List[int], logprobs: mx.array
+) -> Optional[Dict[int, int]]:
+    """Row index -> its token, for the ``active`` rows of a plain pass that
+    is not queued ahead (see :func:`sample_rows`); None where a row has
+    logits processors (they see the row's host history) or a sampler
+    fails."""
+    if any(rows[b].processors for b in active):
+        return None
+    choices = sample_rows(rows, active, logprobs)
+    return None if choices is None else dict(zip(active, choices.tolist()))
