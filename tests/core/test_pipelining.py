@@ -121,3 +121,36 @@ def test_a_row_drafting_a_fixed_length_queues_nothing(models):
             rows[b] += tokens
         queued.append(batch.queued)
     assert rows == want and not any(queued)
+
+
+def test_a_plain_pass_not_queued_samples_its_rows_at_once(models, monkeypatch):
+    """Passes never queued (``queue_ahead=False``) that draft nothing: no
+    row verifies alone (one read of every row's token), and each row gets
+    plain decoding's tokens. The control: a row with a logits processor
+    (it sees host token lists) verifies alone, every pass."""
+    import mlx_spec.core.batch_row as batch_row
+
+    model, tok = models["qwen3_next"]
+    alone = []
+    real = batch_row.verify_draft
+    monkeypatch.setattr(
+        batch_row, "verify_draft", lambda *a, **k: alone.append(1) or real(*a, **k)
+    )
+
+    def decode(processors):
+        batch = BatchDecoder(model, n_slots=2, max_draft=4)
+        got, want = {}, {}
+        for seed in (1, 2):
+            p = prompts("mixed", seed=seed)
+            options = RowOptions(10, num_draft_tokens=0, logits_processors=processors)
+            got[batch.add(fed_decoder(model, p, None), options)] = []
+            want[len(got) - 1] = reference_tokens(model, tok, p, 10)
+        alone.clear()
+        while batch.active:
+            for id, (tokens, _) in batch.step(queue_ahead=False).items():
+                got[id] += tokens
+        assert got == want
+        return len(alone)
+
+    assert decode(None) == 0
+    assert decode([lambda tokens, logits: logits]) == 20  # 2 rows x 10 passes
