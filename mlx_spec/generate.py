@@ -11,7 +11,7 @@ from .core.policy_tuning import DEFAULT_TUNING, PolicyTuning
 from .core.policy import checked_cost_profile
 from .core.verify_profile import head_step_cost
 from .core.stats import SpecStats
-from .drafters import contract, default_draft
+from .drafters import calls, default_draft
 from .drafters.base import MAX_DRAFT_TOKENS
 from .loading import use_draft_model
 from .mlx_lm_compat import (
@@ -234,9 +234,9 @@ def measure_for_auto(
     from disk); the seconds go to ``stats.profile_seconds``."""
     if options.num_draft_tokens == "auto":
         tic = time.perf_counter()
-        tokens = 1 + min(contract.max_auto_draft(drafter), MAX_DRAFT_TOKENS)
+        tokens = 1 + min(calls.max_auto_draft(drafter), MAX_DRAFT_TOKENS)
         checked_cost_profile(model, options.tuning, tokens), head_step_cost(model)
-        contract.draft_forward_cost(drafter)
+        calls.draft_forward_cost(drafter)
         stats.profile_seconds = time.perf_counter() - tic
 
 

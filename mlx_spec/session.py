@@ -30,7 +30,13 @@ from .core.sampling import make_draft_sampler, make_sampler, verification_of
 from .core.sequence import SpeculativeDecoder
 from .core.state import ROLLBACK_STRATEGIES
 from .core.stats import SpecStats
-from .drafters import NO_DRAFTER, contract, draft_names, make_drafter, max_draft_of
+from .drafters import (
+    NO_DRAFTER,
+    calls,
+    draft_names,
+    make_drafter,
+    max_draft_of,
+)
 from .drafters.base import MAX_DRAFT_TOKENS, is_drafter
 from .loading import use_draft_model
 from .mlx_lm_compat import DEFAULT_QUANTIZED_KV_START
@@ -179,7 +185,7 @@ class Session:
         self.options = options
         max_draft = options.max_draft
         if k == "auto" and drafter is not None:  # as deep as its drafter says
-            deepest = min(contract.max_auto_draft(drafter), MAX_DRAFT_TOKENS)
+            deepest = min(calls.max_auto_draft(drafter), MAX_DRAFT_TOKENS)
             max_draft = max(max_draft, deepest)
         self.decoder = SpeculativeDecoder(
             model,
@@ -228,9 +234,9 @@ class Session:
         chosen_by = sampler or make_sampler(0.0)
         verification = verification_of(chosen_by)
         choose = make_draft_sampler(chosen_by, logits_processors, seen, verification)
-        contract.set_sampling(drafter, choose)
+        calls.set_sampling(drafter, choose)
         if self.options.num_draft_tokens == "auto":
-            contract.judged(drafter)  # judging on from the prompt's rows
+            calls.judged(drafter)  # judging on from the prompt's rows
 
     def generate(
         self,

@@ -37,7 +37,7 @@ from typing import Collection, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
-from ..drafters import contract
+from ..drafters import calls
 from ..models.packed import pack_positions
 from ..models.pipeline import pipeline_group
 from .batch_mtp import MTPBatch, head_drafter
@@ -187,7 +187,7 @@ class BatchDecoder:
         seen = list(decoder.history if options.seen is None else options.seen)
         if decoder.drafter is not None:
             choose = make_draft_sampler(sampler, processors, seen, verification)
-            contract.set_sampling(decoder.drafter, guard.chooser(choose))
+            calls.set_sampling(decoder.drafter, guard.chooser(choose))
         k = options.num_draft_tokens
         auto = k == "auto"
         most = self.max_draft if auto else min(k, self.max_draft)

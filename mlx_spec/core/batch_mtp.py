@@ -32,7 +32,8 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..drafters.contract import DraftSite, HeadBased, Proposal, implements
+from ..drafters.calls import implements
+from ..drafters.contract import DraftSite, HeadBased, Proposal
 from ..drafters.mtp import MTPDrafter
 from ..drafters.mtp_rows import PENDING_ROWS
 from .ragged_cache import RaggedKVCache

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Collection, List, Optional
 
 
-from ..drafters import contract
-from ..drafters.contract import HeadBased, implements
+from ..drafters import calls
+from ..drafters.calls import implements
+from ..drafters.contract import HeadBased
 from .batch_mtp import MTPBatch, head_drafter
 from .pass_plan import NO_DRAFT, Draft
 from .policy import RowAcceptance
@@ -47,7 +48,7 @@ class BatchRow:
         if k <= 0:
             return NO_DRAFT
         if head_drafter(d.drafter) not in (heads or ()) and self._reads_head(k):
-            contract.catch_up(d.drafter)
+            calls.catch_up(d.drafter)
         tic = time.perf_counter()
         proposal = d.next_draft(k)
         return Draft(proposal, time.perf_counter() - tic)

@@ -14,7 +14,7 @@ Constants: :mod:`.policy_tuning`; the why and the evidence:
 
 from typing import Dict, List, Optional, Sequence
 
-from ..drafters import contract
+from ..drafters import calls
 from ..drafters.contract import MAX_AUTO_DRAFT_TOKENS
 from .cost_profile import SHORT_CONTEXT, CostProfile, as_cost_profile
 from .pass_cost import PassCost
@@ -170,7 +170,7 @@ class RowAcceptance:
         """Learn from the first drafts ``drafter`` judged in hindsight; how
         many were judged, per source."""
         judged = {}
-        for source, (hits, trials) in contract.judged(drafter).items():
+        for source, (hits, trials) in calls.judged(drafter).items():
             self.of(source).observe_hindsight(hits, trials)
             judged[source] = trials
         return judged

@@ -12,7 +12,7 @@ it took.
 from dataclasses import replace
 from typing import Collection, Dict, List, Optional, Tuple
 
-from ..drafters import contract
+from ..drafters import calls
 from ..drafters.contract import HEAD_SOURCE
 from .batch_mtp import MTPBatch, head_drafter
 from .draft_lengths import (
@@ -46,19 +46,19 @@ class Scheduler:
         model prices every row's passes), ready for a row of ``drafter``:
         its profile covers the drafter's longest ``auto`` draft, and a draft
         forward of its own is priced."""
-        tokens = 1 + min(self.max_draft, contract.max_auto_draft(drafter))
+        tokens = 1 + min(self.max_draft, calls.max_auto_draft(drafter))
         if self.cost is None:
             self.cost = pass_cost_model(self.model, verify_costs, self.tuning, tokens)
             self.lengths = DraftLengths(self.cost, self.group)
         elif verify_costs is None and len(self.cost.profile) < tokens:
             cost_profile(self.model, self.tuning, tokens)  # extended in place
-        if contract.forwards_to_draft(drafter):
-            self.cost.price_draft_forward(contract.draft_forward_cost(drafter))
+        if calls.forwards_to_draft(drafter):
+            self.cost.price_draft_forward(calls.draft_forward_cost(drafter))
 
     def acceptance(self, drafter) -> RowAcceptance:
         """A new ``auto`` row's acceptance estimates (its drafter's longest
         ``auto`` draft, as far as the profile prices it)."""
-        most = min(self.max_draft, contract.max_auto_draft(drafter))
+        most = min(self.max_draft, calls.max_auto_draft(drafter))
         return RowAcceptance(min(most, len(self.cost.profile) - 1), self.tuning)
 
     # -- a pass --------------------------------------------------------------
@@ -95,7 +95,7 @@ class Scheduler:
         forwards = sum(
             1
             for b, d in drafts.items()
-            if len(d) and contract.forwards_to_draft(rows[b].decoder.drafter)
+            if len(d) and calls.forwards_to_draft(rows[b].decoder.drafter)
         )
         plan = PassPlan(
             drafts, len(rows), head_steps, catch_up, context, queued, groups, forwards
@@ -126,12 +126,12 @@ class Scheduler:
                 ks[b] = caps[b] = 0
                 continue
             caps[b] = room
-            if contract.forwards_to_draft(drafter):
+            if calls.forwards_to_draft(drafter):
                 forwarding.add(b)
             if row.acceptance is not None:
                 caps[b] = min(room, row.decoder.max_draft, row.acceptance.max_draft)
                 self._exchange(row)
-            if not contract.can_draft(drafter):
+            if not calls.can_draft(drafter):
                 caps[b] = 0  # no copy, no head row: one token, whatever its acceptance
             # A head the engine runs with others is caught up later, with them;
             # one of its own may be run now to name the source.
@@ -265,7 +265,7 @@ def exchange(acceptance: RowAcceptance, lengths: DraftLengths, drafter):
     for source in acceptance.by_source:
         if source is not None:
             paying = lengths.paying(group_of_source(source))
-            contract.tell_paying(drafter, source, paying)
+            calls.tell_paying(drafter, source, paying)
 
 
 def rest(acceptance: RowAcceptance, lengths: DraftLengths, drafter):
@@ -275,7 +275,7 @@ def rest(acceptance: RowAcceptance, lengths: DraftLengths, drafter):
     for source in acceptance.by_source:
         if source is not None:
             resting = lengths.resting(group_of_source(source))
-            contract.rest(drafter, source, resting)
+            calls.rest(drafter, source, resting)
 
 
 def head_catch_up(rows, drafting: Collection[int]) -> int:

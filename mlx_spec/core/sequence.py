@@ -10,7 +10,7 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 
-from ..drafters import contract
+from ..drafters import calls
 from ..drafters.base import as_drafter
 from ..drafters.contract import MAX_AUTO_DRAFT_TOKENS
 from ..drafters.contract import NO_PROPOSAL, Drafter, Proposal
@@ -96,12 +96,12 @@ class SpeculativeDecoder:
         self.processed = len(self.history) - 1
         if not more:
             self.update_drafter()
-        elif contract.takes_prompt_in_pieces(self.drafter):
+        elif calls.takes_prompt_in_pieces(self.drafter):
             # Held to the last chunk, a long prompt's rows would all be in
             # memory at once (the dflash drafter's features: n x H floats a
             # position); taken in now and evaluated, only this chunk's are.
             self.update_drafter()
-            mx.eval(contract.saved_arrays(self.drafter))
+            mx.eval(calls.saved_arrays(self.drafter))
 
     def update_drafter(self):
         """Hand the drafter the tokens fed with ``more`` that it has not seen,
@@ -114,7 +114,7 @@ class SpeculativeDecoder:
             hidden = None
         if hidden:
             rows = sum(h.shape[0] for h in hidden)
-            read = contract.rows_read(self.drafter, rows)
+            read = calls.rows_read(self.drafter, rows)
             hidden = _blank_first(hidden, rows - read)
         self._held = []
         if len(tokens) == len(self.history):
@@ -124,7 +124,7 @@ class SpeculativeDecoder:
 
     def _rows(self, hidden: mx.array) -> Optional[mx.array]:
         """The part of the target's hidden rows the drafter reads."""
-        return rows_for(self.model, hidden, contract.reads_features(self.drafter))
+        return rows_for(self.model, hidden, calls.reads_features(self.drafter))
 
     def flush(self):
         """Process the pending token: the caches then equal plain decoding's."""
@@ -143,7 +143,7 @@ class SpeculativeDecoder:
     def draft_source(self, k: int, look: bool = True):
         """Which of the drafter's sources would draft ``k`` tokens next
         (None: a one-source drafter); see ``contract.SelfJudging``."""
-        return contract.draft_source(self.drafter, k, look)
+        return calls.draft_source(self.drafter, k, look)
 
     def next_draft(self, k: int) -> Proposal:
         """Up to ``k`` drafts for the next pass (lazy where the drafter

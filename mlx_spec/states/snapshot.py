@@ -18,7 +18,7 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..drafters import contract, make_drafter
+from ..drafters import calls, make_drafter
 from ..mlx_lm_compat import ArraysCache, KVCache, make_prompt_cache
 from ..models.mtp.head import text_args
 from ..core.state import GDNSlotCache
@@ -90,10 +90,10 @@ def capture(decoder, copy_caches: bool = False, flush: bool = True) -> DecoderSt
             f"{len(decoder.pending)} tokens are pending; at most one can be kept"
         )
     drafter = decoder.drafter
-    deferred = [] if drafter is None or flush else contract.take_deferred(drafter)
-    arrays = [] if drafter is None else contract.saved_arrays(drafter)
+    deferred = [] if drafter is None or flush else calls.take_deferred(drafter)
+    arrays = [] if drafter is None else calls.saved_arrays(drafter)
     if deferred:
-        contract.put_deferred(drafter, deferred)  # the decoder may go on
+        calls.put_deferred(drafter, deferred)  # the decoder may go on
     caches = list(decoder.cache.caches)
     mx.eval([c.state for c in caches], arrays, deferred)
     if copy_caches:
@@ -203,7 +203,7 @@ def check_fits(model, drafter, state: DecoderState):
     if hidden is not None and tuple(hidden.shape) != (1, width):
         raise ValueError(f"state holds a hidden state of shape {hidden.shape}")
     if drafter is not None:
-        contract.check_state(drafter, state.drafter_arrays, state.drafter_deferred)
+        calls.check_state(drafter, state.drafter_arrays, state.drafter_deferred)
     elif state.drafter_arrays or state.drafter_deferred:
         raise ValueError("state holds a drafter's arrays, but no drafter")
 
@@ -242,5 +242,5 @@ def restore(decoder, state: DecoderState, copy_caches: bool = False):
     decoder.processed = len(decoder.history) - state.pending
     decoder.last_hidden = state.last_hidden
     if decoder.drafter is not None:
-        contract.restore(decoder.drafter, decoder.history, state.drafter_arrays)
-        contract.put_deferred(decoder.drafter, state.drafter_deferred)
+        calls.restore(decoder.drafter, decoder.history, state.drafter_arrays)
+        calls.put_deferred(decoder.drafter, state.drafter_deferred)

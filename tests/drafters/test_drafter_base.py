@@ -4,7 +4,7 @@ import pytest
 
 from mlx_spec.core.decode import SpeculativeDecoder
 from mlx_spec.drafters import make_drafter
-from mlx_spec.drafters import contract
+from mlx_spec.drafters import calls, contract
 from mlx_spec.drafters.base import HostDrafter, OneDraftWalk, as_drafter
 from mlx_spec.testing.reference import (
     OracleDrafter,
@@ -62,12 +62,12 @@ def test_subclass_must_implement_the_required_methods():
     with pytest.raises(NotImplementedError):
         Lazy().propose(2)
     lazy = Lazy()
-    assert contract.saved_arrays(lazy) == [] and contract.take_deferred(lazy) == []
-    assert contract.judged(lazy) == {} and contract.can_draft(lazy)
+    assert calls.saved_arrays(lazy) == [] and calls.take_deferred(lazy) == []
+    assert calls.judged(lazy) == {} and calls.can_draft(lazy)
     with pytest.raises(NotImplementedError):  # rebuilt by reset: not implemented
-        contract.restore(lazy, [1, 2], [])
+        calls.restore(lazy, [1, 2], [])
     with pytest.raises(ValueError, match="'custom' keeps no arrays"):
-        contract.check_state(lazy, [object()], [])
+        calls.check_state(lazy, [object()], [])
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from mlx_spec.core.pass_cost import PassCost, PassShape
 from mlx_spec.core.policy import expected_tokens
 from mlx_spec.core.policy_tuning import DEFAULT_TUNING
 from mlx_spec.core.scheduler import Scheduler
-from mlx_spec.drafters import contract
+from mlx_spec.drafters import calls
 from mlx_spec.drafters.base import HostDrafter
 from mlx_spec.drafters.contract import NO_DRAFT_FORWARD, DraftForwardCost
 from mlx_spec.testing.block_drafter import PricedBlockDrafter
@@ -36,7 +36,7 @@ def chosen(drafter, acceptance, context=32, profile=FLAT, max_draft=16):
     scheduler = Scheduler(None, max_draft, None, DEFAULT_TUNING)
     scheduler.price(list(profile), drafter)
     cap = scheduler.acceptance(drafter).max_draft
-    forwards = contract.forwards_to_draft(drafter)
+    forwards = calls.forwards_to_draft(drafter)
     evidence = [100.0] * cap  # every position well tested: no depth probe
     row = Candidate(RowGroup.COPIES, acceptance[:cap], evidence, cap, forwards)
     request = PassRequest(1, (row,), context=context)
