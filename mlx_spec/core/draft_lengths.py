@@ -298,6 +298,14 @@ class DraftLengths:
             counted = 0.0 if n else 1.0
             state.plain_weight = self.tuning.cost_decay * state.plain_weight + counted
 
+    def dropped(self, g: RowGroup):
+        """Group ``g`` chose to draft in a pass that ran a forward queued
+        ahead, so nothing was drafted: its next pass drafts at least a probe.
+        Else a fit that prices drafting as paying only at queued passes would
+        choose drafts that are never made, and the rows would never be
+        verified, their acceptance never learnt."""
+        self.states[g].probes.due()
+
     def exploring(self) -> bool:
         """Whether the last choice was a probe or a depth probe (its drafts
         are tried for what they teach, not for what they are expected to

@@ -48,6 +48,11 @@ class ProbeSchedule:
         self.waited = 0
         return max(best, int(self.probing))  # MLX refuses a bool as a slice bound
 
+    def due(self):
+        """The next choice at ``k = 0`` probes: a draft was chosen for a
+        pass that could not make it (it ran a forward queued ahead)."""
+        self.waited = max(self.waited, self.every)
+
     def restart(self):
         """Evidence came without a probe: the next waits a full interval."""
         self.waited = 0

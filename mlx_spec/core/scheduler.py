@@ -77,6 +77,8 @@ class Scheduler:
         edges = 0 if queued is None else 2  # a draft would break the queue
         ks, groups = self._lengths(rows, active, heads, edges)
         if queued is not None:  # it was started over every row's one token
+            for g in {groups[b] for b in groups if ks[b] > 0}:
+                self.lengths.dropped(g)
             ks = dict.fromkeys(active, 0)
         head_steps, catch_up = 0, 0
         if heads is not None:  # head rows first, all at once

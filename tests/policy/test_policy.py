@@ -437,3 +437,24 @@ def test_passes_are_timed_as_one_forward_or_as_an_edge_of_the_queue(
     assert restarts and len(restarts) + len(ends) == sum(e for *_, e in observed)
     assert abs(len(restarts) - len(ends)) <= 1, observed  # the last pass ends one
     assert all(n == 0 for n, _, edges in observed if edges), observed
+
+
+def test_a_draft_chosen_for_a_queued_pass_is_probed_next():
+    """A pass that ran a forward queued ahead cannot draft what its choice
+    chose: the group's next choice at k = 0 probes (its drafts are then
+    verified and its acceptance learnt), where it would otherwise wait
+    out its interval (the control: a schedule not told)."""
+    from mlx_spec.core.draft_lengths import RowGroup
+    from mlx_spec.core.pass_cost import PassCost
+    from mlx_spec.core.cost_profile import as_cost_profile
+
+    def next_choice(told: bool) -> int:
+        lengths = DraftLengths(PassCost(as_cost_profile([1e-3] * 9)))
+        probes = lengths.states[RowGroup.COPIES].probes
+        assert probes.apply(0, 8) == 0  # one plain pass of the interval
+        if told:
+            lengths.dropped(RowGroup.COPIES)
+        return probes.apply(0, 8)
+
+    assert next_choice(told=True) == 1
+    assert next_choice(told=False) == 0
